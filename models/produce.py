@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Produce the shipped models from scikit-learn's bundled `load_digits` data.
+
+No download: the 8x8 digit images ship inside the scikit-learn wheel.
+Deterministic: fixed seeds, a fixed stratified held-out split, single-threaded
+onnxruntime. Run `python models/produce.py` from the repository root (see
+README "Regenerating the models"); it rewrites
+
+  models/digits/1/        INT8 MLP (onnxruntime QOperator QLinearMatMul), the edge tier
+  models/digits-f32/1/    the same MLP before quantisation, to measure what INT8 costs
+  models/digits-large/1/  a larger f32 MLP trained on shifted copies too, the cloud tier
+  models/heldout/digits.csv   the held-out split (label, 64 pixels), for accuracy tests
+
+Each version directory holds model.onnx, model.toml (the manifest the node reads)
+and golden.json (inputs with onnxruntime's outputs and the tolerance the node
+must meet at load).
+"""
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization import (CalibrationDataReader, QuantFormat,
+                                      QuantType, quantize_static)
+from scipy.ndimage import shift
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.neural_network import MLPClassifier
+
+SEED = 0
+SCALE = 1.0 / 16.0  # pixels come as 0..16; the node scales them (manifest [preprocess])
+ROOT = Path(__file__).resolve().parent
+LABELS = [str(i) for i in range(10)]
+GOLDEN_ROWS = 8
+
+
+def session(path):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def mlp_to_onnx(clf, name):
+    """MatMul + Add + Relu per hidden layer, then Softmax: ops tract runs natively."""
+    nodes, inits = [], []
+    x = "input"
+    layers = list(zip(clf.coefs_, clf.intercepts_))
+    for i, (w, b) in enumerate(layers):
+        inits.append(numpy_helper.from_array(w.astype(np.float32), f"w{i}"))
+        inits.append(numpy_helper.from_array(b.astype(np.float32), f"b{i}"))
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"], name=f"matmul{i}"))
+        last = i == len(layers) - 1
+        out = "logits" if last else f"h{i}"
+        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], [out if last else f"pre{i}"], name=f"bias{i}"))
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"pre{i}"], [out], name=f"relu{i}"))
+        x = out
+    nodes.append(helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1, name="softmax"))
+    graph = helper.make_graph(
+        nodes, name,
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["N", 10])],
+        inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                              producer_name="edgeinfer models/produce.py")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+class Calibration(CalibrationDataReader):
+    def __init__(self, x):
+        self.rows = iter([{"input": x[i:i + 32]} for i in range(0, len(x), 32)])
+
+    def get_next(self):
+        return next(self.rows, None)
+
+
+def accuracy(path, x, y):
+    probs = session(path).run(None, {"input": x})[0]
+    return float((probs.argmax(axis=1) == y).mean())
+
+
+def shifted_copies(x, y):
+    """Augment with one-pixel shifts: the large model's extra accuracy comes from here."""
+    imgs = x.reshape(-1, 8, 8)
+    out_x, out_y = [x], [y]
+    for dy, dx in [(0, 1), (0, -1), (1, 0), (-1, 0)]:
+        out_x.append(np.stack([shift(im, (dy, dx), order=0, mode="constant") for im in imgs]).reshape(-1, 64))
+        out_y.append(y)
+    return np.concatenate(out_x), np.concatenate(out_y)
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def write_version(name, onnx_path_tmp, quantization, acc, produced_by, golden_x, tolerance, extra_acc=None):
+    vdir = ROOT / name / "1"
+    vdir.mkdir(parents=True, exist_ok=True)
+    model_path = vdir / "model.onnx"
+    os.replace(onnx_path_tmp, model_path)
+    raw = golden_x / SCALE  # golden inputs are what a device sends: raw 0..16 pixels
+    expected = session(model_path).run(None, {"input": golden_x})[0]
+    golden = {
+        "vectors": [
+            {"input": [float(v) for v in raw[i]], "expected": [float(v) for v in expected[i]]}
+            for i in range(len(raw))
+        ],
+    }
+    (vdir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    acc_lines = [f"{quantization} = {acc:.4f}"]
+    if extra_acc:
+        acc_lines += [f"{k} = {v:.4f}" for k, v in extra_acc.items()]
+    manifest = f"""# Produced by models/produce.py; do not edit by hand (the sha256 is checked at load).
+name = "{name}"
+version = "1"
+file = "model.onnx"
+sha256 = "{sha256(model_path)}"
+task = "classification"
+quantization = "{quantization}"
+labels = {json.dumps(LABELS)}
+produced_by = "{produced_by}"
+
+[input]
+name = "input"
+datatype = "FP32"
+shape = [-1, 64]
+
+[[outputs]]
+name = "probabilities"
+datatype = "FP32"
+shape = [-1, 10]
+
+[preprocess]
+scale = {SCALE}
+offset = 0.0
+
+[golden]
+file = "golden.json"
+tolerance = {tolerance}
+
+[accuracy]
+split = "models/heldout/digits.csv"
+rows = {len(Y_TEST)}
+{chr(10).join(acc_lines)}
+"""
+    (vdir / "model.toml").write_text(manifest)
+    print(f"{name}: {quantization} held-out accuracy {acc:.4f} -> {vdir}")
+
+
+def main():
+    global Y_TEST
+    digits = load_digits()
+    x_all = digits.data.astype(np.float32)
+    y_all = digits.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x_all, y_all, test_size=0.2, random_state=SEED, stratify=y_all)
+    Y_TEST = y_te
+    xs_tr, xs_te = (x_tr * SCALE).astype(np.float32), (x_te * SCALE).astype(np.float32)
+
+    heldout = ROOT / "heldout"
+    heldout.mkdir(exist_ok=True)
+    with open(heldout / "digits.csv", "w") as f:
+        f.write("# load_digits held-out split (test_size=0.2, stratified, random_state=0): label, 64 raw pixels\n")
+        for label, row in zip(y_te, x_te):
+            f.write(",".join([str(int(label))] + [str(int(v)) for v in row]) + "\n")
+
+    tmp = ROOT / ".tmp"
+    tmp.mkdir(exist_ok=True)
+    golden_x = xs_te[:GOLDEN_ROWS]
+
+    small = MLPClassifier(hidden_layer_sizes=(32,), max_iter=400, random_state=SEED, alpha=1e-3)
+    small.fit(xs_tr, y_tr)
+    f32_path = tmp / "digits_f32.onnx"
+    onnx.save(mlp_to_onnx(small, "digits_f32"), f32_path)
+    acc_f32 = accuracy(f32_path, xs_te, y_te)
+
+    int8_path = tmp / "digits_int8.onnx"
+    # QOperator with MatMul only: QLinearMatMul runs on tract's integer kernels and
+    # the final Softmax stays in f32 (no DequantizeLinear->Softmax->QuantizeLinear
+    # chain, which tract 0.23 folds wrongly into a lookup table).
+    quantize_static(str(f32_path), str(int8_path), Calibration(xs_tr),
+                    quant_format=QuantFormat.QOperator, op_types_to_quantize=["MatMul"],
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    per_channel=False, reduce_range=False)
+    acc_int8 = accuracy(int8_path, xs_te, y_te)
+
+    xa, ya = shifted_copies(x_tr, y_tr)
+    large = MLPClassifier(hidden_layer_sizes=(256, 128), max_iter=400, random_state=SEED, alpha=1e-4)
+    large.fit((xa * SCALE).astype(np.float32), ya)
+    large_path = tmp / "digits_large.onnx"
+    onnx.save(mlp_to_onnx(large, "digits_large"), large_path)
+    acc_large = accuracy(large_path, xs_te, y_te)
+
+    write_version("digits", int8_path, "int8", acc_int8,
+                  "models/produce.py: MLP 64-32-10 (scikit-learn MLPClassifier, seed 0) on load_digits, "
+                  "onnxruntime quantize_static QOperator QLinearMatMul, u8 activations, s8 weights",
+                  golden_x, 0.02, {"f32_twin": acc_f32})
+    write_version("digits-f32", f32_path, "f32", acc_f32,
+                  "models/produce.py: the f32 twin of digits before quantisation",
+                  golden_x, 1e-4)
+    write_version("digits-large", large_path, "f32", acc_large,
+                  "models/produce.py: MLP 64-256-128-10 (scikit-learn MLPClassifier, seed 0) on load_digits "
+                  "plus one-pixel shifted copies",
+                  golden_x, 1e-4)
+    for p in tmp.iterdir():
+        p.unlink()
+    tmp.rmdir()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

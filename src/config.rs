@@ -1,0 +1,284 @@
+//! `edgeinfer serve --config FILE`: TOML, every key defaulted, and
+//! `EDGEINFER_<SECTION>__<KEY>` environment variables over the file.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path} is not valid TOML: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("config key {key}: {message}")]
+    Key { key: String, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub node: NodeConfig,
+    pub mqtt: MqttConfig,
+    pub http: HttpConfig,
+    pub cloud: CloudConfig,
+    pub runtime: RuntimeConfig,
+    pub limits: LimitsConfig,
+    /// Per-model settings, keyed by model name.
+    pub models: BTreeMap<String, ModelConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    /// NODE in topics; default: the host name.
+    pub id: String,
+    /// Default `./models`, or `/usr/share/edgeinfer/models` under systemd.
+    pub models_dir: PathBuf,
+    /// Default `$STATE_DIRECTORY`, else `./state`.
+    pub state_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MqttConfig {
+    pub url: String,
+    pub embedded_broker: bool,
+    pub topic_prefix: String,
+    pub share_group: String,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// `host:port` for /metrics and /v2; empty disables the HTTP server.
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CloudConfig {
+    pub enabled: bool,
+    pub url: String,
+    pub token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeConfig {
+    /// Batch sizes that get an optimized plan at load, ascending, starting at 1.
+    pub batch_sizes: Vec<usize>,
+    /// Inference threads per model (tract runs each batch on one thread).
+    pub threads_per_model: usize,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request payload accepted; larger ones are answered `too_large`.
+    pub max_payload_bytes: usize,
+    /// Most rows (`shape[0]`) in one request.
+    pub max_rows: usize,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Model name on the cloud tier; default: the same name.
+    pub cloud_model: Option<String>,
+    /// Escalate to the cloud tier when confidence is below this.
+    pub threshold: f32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node: NodeConfig::default(),
+            mqtt: MqttConfig::default(),
+            http: HttpConfig::default(),
+            cloud: CloudConfig::default(),
+            runtime: RuntimeConfig::default(),
+            limits: LimitsConfig::default(),
+            models: BTreeMap::new(),
+        }
+    }
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        let under_systemd = std::env::var_os("INVOCATION_ID").is_some();
+        NodeConfig {
+            id: host_name(),
+            models_dir: if under_systemd {
+                "/usr/share/edgeinfer/models".into()
+            } else {
+                "models".into()
+            },
+            state_dir: std::env::var_os("STATE_DIRECTORY")
+                .map(|s| {
+                    // systemd passes a colon-separated list; the first is ours.
+                    let s = s.to_string_lossy().into_owned();
+                    PathBuf::from(s.split(':').next().unwrap_or("state"))
+                })
+                .unwrap_or_else(|| "state".into()),
+        }
+    }
+}
+
+impl Default for MqttConfig {
+    fn default() -> Self {
+        MqttConfig {
+            url: "mqtt://127.0.0.1:1883".into(),
+            embedded_broker: false,
+            topic_prefix: "edgeinfer".into(),
+            share_group: "edgeinfer".into(),
+        }
+    }
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig { listen: "127.0.0.1:9464".into() }
+    }
+}
+
+impl Default for CloudConfig {
+    fn default() -> Self {
+        CloudConfig { enabled: false, url: String::new(), token_file: None }
+    }
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { batch_sizes: vec![1, 2, 4, 8, 16, 32], threads_per_model: 1 }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig { max_payload_bytes: 256 * 1024, max_rows: 256 }
+    }
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { cloud_model: None, threshold: 0.8 }
+    }
+}
+
+const ENV_PREFIX: &str = "EDGEINFER_";
+
+impl Config {
+    /// The file (if any) with the process environment's overrides on top.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_with_env(file, std::env::vars())
+    }
+
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+                text.parse::<toml::Table>().map_err(|e| ConfigError::Syntax {
+                    path: path.to_owned(),
+                    message: e.to_string(),
+                })?
+            }
+            None => toml::Table::new(),
+        };
+        let mut overrides: Vec<(String, String)> =
+            env.into_iter().filter(|(k, _)| k.starts_with(ENV_PREFIX)).collect();
+        overrides.sort();
+        for (var, value) in overrides {
+            apply_override(&mut table, &var, &value)?;
+        }
+        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| ConfigError::Key { key: e.path().to_string(), message: e.into_inner().to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, message: String| Err(ConfigError::Key { key: key.into(), message });
+        if self.node.id.is_empty() || self.node.id.contains(['/', '+', '#']) {
+            return bad("node.id", format!("{:?}: use a non-empty name without '/', '+' or '#'", self.node.id));
+        }
+        if !(self.mqtt.url.starts_with("mqtt://") || self.mqtt.url.starts_with("mqtts://")) {
+            return bad(
+                "mqtt.url",
+                format!("{:?}: use mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS", self.mqtt.url),
+            );
+        }
+        for (key, value) in [("mqtt.topic_prefix", &self.mqtt.topic_prefix), ("mqtt.share_group", &self.mqtt.share_group)] {
+            if value.is_empty() || value.contains(['+', '#']) || value.starts_with('$') {
+                return bad(key, format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"));
+            }
+        }
+        if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
+            return bad("http.listen", format!("{:?}: use HOST:PORT like 127.0.0.1:9464, or \"\" to disable", self.http.listen));
+        }
+        if self.cloud.enabled && !(self.cloud.url.starts_with("http://") || self.cloud.url.starts_with("https://")) {
+            return bad("cloud.url", format!("{:?}: with cloud.enabled = true, give the http:// or https:// URL of an Open Inference Protocol server", self.cloud.url));
+        }
+        let sizes = &self.runtime.batch_sizes;
+        if sizes.first() != Some(&1) || sizes.windows(2).any(|w| w[0] >= w[1]) || sizes.iter().any(|&s| s > 4096) {
+            return bad("runtime.batch_sizes", format!("{sizes:?}: list ascending sizes starting at 1, at most 4096, like [1, 2, 4, 8, 16, 32]"));
+        }
+        if !(1..=64).contains(&self.runtime.threads_per_model) {
+            return bad("runtime.threads_per_model", format!("{}: use 1 to 64", self.runtime.threads_per_model));
+        }
+        if !(64..=64 * 1024 * 1024).contains(&self.limits.max_payload_bytes) {
+            return bad("limits.max_payload_bytes", format!("{}: use 64 to 67108864", self.limits.max_payload_bytes));
+        }
+        if self.limits.max_rows == 0 {
+            return bad("limits.max_rows", "0: use at least 1".into());
+        }
+        for (name, model) in &self.models {
+            if !(0.0..=1.0).contains(&model.threshold) {
+                return bad(&format!("models.{name}.threshold"), format!("{}: use a confidence between 0.0 and 1.0", model.threshold));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `EDGEINFER_MQTT__URL=mqtt://x` sets `mqtt.url`; `EDGEINFER_MODELS__DIGITS__THRESHOLD=0.9`
+/// sets `models.digits.threshold`. Values are read as TOML (`true`, `8`, `[1, 8]`),
+/// and as a plain string when they are not valid TOML.
+fn apply_override(table: &mut toml::Table, var: &str, value: &str) -> Result<(), ConfigError> {
+    let path: Vec<String> =
+        var[ENV_PREFIX.len()..].split("__").map(|s| s.to_ascii_lowercase()).collect();
+    if path.len() < 2 || path.iter().any(|p| p.is_empty()) {
+        return Err(ConfigError::Key {
+            key: var.into(),
+            message: "environment overrides are named EDGEINFER_<SECTION>__<KEY>, like EDGEINFER_MQTT__URL".into(),
+        });
+    }
+    let parsed = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let mut node = table;
+    for part in &path[..path.len() - 1] {
+        let entry = node.entry(part.clone()).or_insert_with(|| toml::Value::Table(Default::default()));
+        node = entry.as_table_mut().ok_or_else(|| ConfigError::Key {
+            key: path.join("."),
+            message: format!("{var}: {part} is not a section"),
+        })?;
+    }
+    node.insert(path[path.len() - 1].clone(), parsed);
+    Ok(())
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "edgeinfer".into())
+}

@@ -1,0 +1,11 @@
+//! edgeinfer: an edge inference appliance.
+//!
+//! The request path is one pipeline shared by every transport
+//! ([`engine::Engine`]): decode, route, preprocess, run, postprocess, reply.
+//! Transports (the `infer` command now, MQTT and HTTP later) only move bytes
+//! in and out of it.
+
+pub mod config;
+pub mod engine;
+pub mod model;
+pub mod protocol;

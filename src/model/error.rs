@@ -1,0 +1,29 @@
+use std::path::PathBuf;
+
+/// Why a model version was refused at load. Each names the model and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: cannot read: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: invalid manifest: {message}")]
+    Manifest { path: PathBuf, message: String },
+    #[error(
+        "model {model} version {version}: sha256 of {path} is {actual}, but the manifest says {expected}; \
+         the file is corrupt or was replaced: restore it, or regenerate the model with models/produce.py"
+    )]
+    Sha256Mismatch { model: String, version: String, path: PathBuf, expected: String, actual: String },
+    #[error("model {model} version {version}: tract cannot load or plan it: {message}")]
+    Tract { model: String, version: String, message: String },
+    #[error(
+        "model {model} version {version}: golden vector {vector} differs from the reference by {max_diff:.3e} \
+         at batch size {batch} (tolerance {tolerance:.1e}); refusing to serve a model that computes wrong answers"
+    )]
+    Golden {
+        model: String,
+        version: String,
+        vector: usize,
+        batch: usize,
+        max_diff: f64,
+        tolerance: f64,
+    },
+}

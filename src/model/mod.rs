@@ -1,0 +1,16 @@
+//! Models on disk: the manifest, the tract runtime with its per-batch-size
+//! plans, the golden-vector gate and the registry of loaded versions.
+
+mod error;
+mod golden;
+mod kernels;
+mod manifest;
+mod registry;
+mod runtime;
+
+pub use error::LoadError;
+pub use golden::{Golden, GoldenVector};
+pub use kernels::KernelReport;
+pub use manifest::{Manifest, Preprocess, Quantization, Task, TensorSpec};
+pub use registry::{Refused, Registry, valid_model_name};
+pub use runtime::{LoadedModel, RawOutput, RunError, RuntimeOptions};

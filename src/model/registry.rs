@@ -1,0 +1,126 @@
+//! Every model version found under the models directory. A version that fails
+//! to load is refused on its own; the others still serve.
+
+use super::{LoadError, LoadedModel, RuntimeOptions};
+use crate::protocol::InferError;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A version that was found but refused, with the reason.
+#[derive(Debug)]
+pub struct Refused {
+    pub dir: PathBuf,
+    pub error: LoadError,
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    /// name -> version -> model, versions in serving order (see `version_key`).
+    models: BTreeMap<String, BTreeMap<VersionKey, Arc<LoadedModel>>>,
+    pub refused: Vec<Refused>,
+}
+
+/// Numeric versions sort numerically and after any non-numeric ones, so "10" > "9".
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct VersionKey(Option<u64>, String);
+
+impl VersionKey {
+    fn of(v: &str) -> Self {
+        VersionKey(v.parse().ok(), v.to_string())
+    }
+}
+
+/// Model names as they may appear in topics and URLs: no separators, no MQTT
+/// wildcards, no `.`/`..` path tricks.
+pub fn valid_model_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+impl Registry {
+    /// Loads `dir/NAME/VERSION/model.toml` for every NAME and VERSION.
+    /// Directories without a manifest (the producing script's data) are skipped.
+    pub fn load(dir: &Path, options: &RuntimeOptions) -> Result<Registry, LoadError> {
+        let mut registry = Registry::default();
+        for name_dir in sorted_dirs(dir)? {
+            for version_dir in sorted_dirs(&name_dir)? {
+                if !version_dir.join("model.toml").is_file() {
+                    continue;
+                }
+                match LoadedModel::load(&version_dir, options) {
+                    Ok(model) => registry.insert(Arc::new(model)),
+                    Err(error) => registry.refused.push(Refused { dir: version_dir, error }),
+                }
+            }
+        }
+        Ok(registry)
+    }
+
+    pub fn insert(&mut self, model: Arc<LoadedModel>) {
+        self.models
+            .entry(model.name().to_string())
+            .or_default()
+            .insert(VersionKey::of(model.version()), model);
+    }
+
+    /// The named version, or the active (highest) one.
+    pub fn get(&self, name: &str, version: Option<&str>) -> Result<Arc<LoadedModel>, InferError> {
+        if !valid_model_name(name) {
+            return Err(InferError::unknown_model(format!(
+                "model name {name:?} is not valid: model names use letters, digits, '.', '_' and '-'; \
+                 known models: {}",
+                self.known()
+            )));
+        }
+        let Some(versions) = self.models.get(name) else {
+            return Err(InferError::unknown_model(format!(
+                "no model {name:?} on this node; known models: {}",
+                self.known()
+            )));
+        };
+        match version {
+            None => Ok(versions.values().next_back().expect("a listed model has a version").clone()),
+            Some(v) => versions.get(&VersionKey::of(v)).cloned().ok_or_else(|| {
+                InferError::unknown_model(format!(
+                    "parameters.model_version {v:?}: model {name} has versions {}",
+                    versions.keys().map(|k| k.1.as_str()).collect::<Vec<_>>().join(", ")
+                ))
+            }),
+        }
+    }
+
+    /// Active versions, by name.
+    pub fn active(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.models.values().filter_map(|v| v.values().next_back())
+    }
+
+    /// Every loaded version of every model.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.models.values().flat_map(|v| v.values())
+    }
+
+    pub fn versions(&self, name: &str) -> Vec<String> {
+        self.models.get(name).map(|v| v.keys().map(|k| k.1.clone()).collect()).unwrap_or_default()
+    }
+
+    fn known(&self) -> String {
+        if self.models.is_empty() {
+            "none (check node.models_dir)".into()
+        } else {
+            self.models.keys().cloned().collect::<Vec<_>>().join(", ")
+        }
+    }
+}
+
+fn sorted_dirs(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|source| LoadError::Io { path: dir.to_owned(), source })?;
+    let mut dirs: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    dirs.sort();
+    Ok(dirs)
+}

@@ -1,0 +1,345 @@
+//! tract: parse once with a symbolic batch, then one optimized plan per
+//! batch-size bucket (a concrete batch lets tract pick its best kernels; a
+//! symbolic one was measured 1.5-2x slower on convolutions).
+
+use super::{Golden, KernelReport, LoadError, Manifest};
+use crate::protocol::{Datatype, TensorData};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tract_onnx::prelude::*;
+
+/// How plans are built. Every bucket is planned at load (the shipped models
+/// plan in milliseconds), so no request ever waits for a plan.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Batch sizes with a plan, ascending. A batch of n rows runs on the
+    /// smallest bucket >= n, padded; more rows than the largest bucket run in
+    /// chunks.
+    pub batch_sizes: Vec<usize>,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        RuntimeOptions { batch_sizes: vec![1, 2, 4, 8, 16, 32] }
+    }
+}
+
+/// One model version, verified and planned, ready to run batches.
+pub struct LoadedModel {
+    pub manifest: Manifest,
+    pub dir: PathBuf,
+    plans: Vec<(usize, Arc<TypedSimplePlan>)>,
+    pub kernels: KernelReport,
+    /// Reading, hashing, parsing, planning and the golden check.
+    pub load_time: Duration,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("name", &self.manifest.name)
+            .field("version", &self.manifest.version)
+            .field("batch_sizes", &self.batch_sizes())
+            .finish()
+    }
+}
+
+/// One output of a run: the first dimension is the batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawOutput {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: TensorData,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("model {model} version {version}: {message}")]
+pub struct RunError {
+    pub model: String,
+    pub version: String,
+    pub message: String,
+}
+
+impl LoadedModel {
+    /// Loads `dir/model.toml` and refuses the model when its file's sha256 or
+    /// its golden vectors do not match.
+    pub fn load(dir: &Path, options: &RuntimeOptions) -> Result<LoadedModel, LoadError> {
+        let start = Instant::now();
+        let manifest = Manifest::read(&dir.join("model.toml"))?;
+        let tract_err = |e: TractError| LoadError::Tract {
+            model: manifest.name.clone(),
+            version: manifest.version.clone(),
+            message: format!("{e:#}"),
+        };
+        let path = dir.join(&manifest.file);
+        let bytes =
+            std::fs::read(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
+        let actual = hex::encode(Sha256::digest(&bytes));
+        if !actual.eq_ignore_ascii_case(&manifest.sha256) {
+            return Err(LoadError::Sha256Mismatch {
+                model: manifest.name.clone(),
+                version: manifest.version.clone(),
+                path,
+                expected: manifest.sha256.clone(),
+                actual,
+            });
+        }
+        if !manifest.file.ends_with(".onnx") {
+            return Err(LoadError::Manifest {
+                path: dir.join("model.toml"),
+                message: format!("file = {:?}: only ONNX (.onnx) models are supported", manifest.file),
+            });
+        }
+        let (typed, batch) = parse_onnx(&manifest, &bytes).map_err(tract_err)?;
+        let sizes: Vec<usize> = match manifest.input.shape[0] {
+            -1 => options.batch_sizes.clone(),
+            fixed => vec![fixed as usize],
+        };
+        let mut plans = Vec::with_capacity(sizes.len());
+        for size in sizes {
+            let concrete = typed
+                .set_symbols(&HashMap::from([(batch.clone(), TDim::Val(size as i64))]))
+                .and_then(|m| m.into_optimized())
+                .and_then(|m| m.into_runnable())
+                .map_err(tract_err)?;
+            plans.push((size, concrete));
+        }
+        let kernels = KernelReport::of(plans[0].1.model());
+        let mut model =
+            LoadedModel { manifest, dir: dir.to_owned(), plans, kernels, load_time: Duration::ZERO };
+        if let Some(spec) = &model.manifest.golden {
+            let golden = Golden::read(&dir.join(&spec.file))?;
+            model.check_golden(&golden, spec.tolerance)?;
+        }
+        model.load_time = start.elapsed();
+        Ok(model)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.manifest.name
+    }
+
+    pub fn version(&self) -> &str {
+        &self.manifest.version
+    }
+
+    pub fn batch_sizes(&self) -> Vec<usize> {
+        self.plans.iter().map(|(b, _)| *b).collect()
+    }
+
+    pub fn max_batch(&self) -> usize {
+        self.plans.last().map(|(b, _)| *b).unwrap_or(1)
+    }
+
+    /// Runs `rows` rows of already preprocessed input (typed as the model's
+    /// input datatype), returning every output with exactly `rows` rows.
+    pub fn run(&self, rows: usize, input: &TensorData) -> Result<Vec<RawOutput>, RunError> {
+        let row_len = self.manifest.input.row_len();
+        if input.len() != rows * row_len {
+            return Err(self.run_error(format!(
+                "input has {} elements, expected {rows} rows of {row_len}",
+                input.len()
+            )));
+        }
+        let mut outputs: Vec<RawOutput> = Vec::new();
+        let mut done = 0;
+        while done < rows {
+            let left = rows - done;
+            let (bucket, plan) = self
+                .plans
+                .iter()
+                .find(|(b, _)| *b >= left)
+                .or(self.plans.last())
+                .expect("a loaded model has at least one plan");
+            let take = left.min(*bucket);
+            let tensor = self
+                .input_tensor(input, done, take, *bucket)
+                .map_err(|e| self.run_error(format!("{e:#}")))?;
+            let result =
+                plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))?;
+            for (i, value) in result.iter().enumerate() {
+                let (shape, data) =
+                    output_rows(value, take).map_err(|e| self.run_error(format!("{e:#}")))?;
+                match outputs.get_mut(i) {
+                    Some(out) => {
+                        out.shape[0] += take;
+                        out.data.extend(data).map_err(|e| self.run_error(e))?;
+                    }
+                    None => outputs.push(RawOutput {
+                        name: self.manifest.outputs.get(i).map(|o| o.name.clone()).unwrap_or_default(),
+                        shape,
+                        data,
+                    }),
+                }
+            }
+            done += take;
+        }
+        Ok(outputs)
+    }
+
+    fn run_error(&self, message: String) -> RunError {
+        RunError { model: self.manifest.name.clone(), version: self.manifest.version.clone(), message }
+    }
+
+    fn input_tensor(&self, input: &TensorData, first_row: usize, rows: usize, bucket: usize) -> TractResult<Tensor> {
+        let spec = &self.manifest.input;
+        let row_len = spec.row_len();
+        let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d.max(0) as usize).collect();
+        shape[0] = bucket;
+        let range = first_row * row_len..(first_row + rows) * row_len;
+        macro_rules! padded {
+            ($v:expr, $t:ty) => {{
+                let mut buf: Vec<$t> = Vec::with_capacity(bucket * row_len);
+                buf.extend_from_slice(&$v[range]);
+                buf.resize(bucket * row_len, <$t>::default());
+                Tensor::from_shape(&shape, &buf)
+            }};
+        }
+        match input {
+            TensorData::F32(v) => padded!(v, f32),
+            TensorData::F64(v) => padded!(v, f64),
+            TensorData::I8(v) => padded!(v, i8),
+            TensorData::U8(v) => padded!(v, u8),
+            TensorData::I32(v) => padded!(v, i32),
+            TensorData::I64(v) => padded!(v, i64),
+            TensorData::Number(_) => anyhow::bail!("input was not typed before the run"),
+        }
+    }
+
+    /// Runs every golden vector through every plan (cycled to fill the batch)
+    /// and compares output 0 with the reference.
+    fn check_golden(&self, golden: &Golden, tolerance: f64) -> Result<(), LoadError> {
+        let spec = &self.manifest.input;
+        let refuse = |vector: usize, batch: usize, max_diff: f64| LoadError::Golden {
+            model: self.manifest.name.clone(),
+            version: self.manifest.version.clone(),
+            vector,
+            batch,
+            max_diff,
+            tolerance,
+        };
+        for (batch, _) in &self.plans {
+            let mut raw = Vec::with_capacity(batch * spec.row_len());
+            for i in 0..*batch {
+                raw.extend_from_slice(&golden.vectors[i % golden.vectors.len()].input);
+            }
+            let input = self
+                .manifest
+                .preprocess
+                .apply(TensorData::Number(raw), spec.datatype)
+                .map_err(|m| self.golden_error(m))?;
+            let outputs = self.run(*batch, &input).map_err(|e| self.golden_error(e.to_string()))?;
+            let got = outputs[0].data.to_f64();
+            let width = got.len() / batch;
+            for row in 0..*batch {
+                let vector = row % golden.vectors.len();
+                let expected = &golden.vectors[vector].expected;
+                if expected.len() != width {
+                    return Err(refuse(vector, *batch, f64::INFINITY));
+                }
+                let max_diff = got[row * width..(row + 1) * width]
+                    .iter()
+                    .zip(expected)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                if max_diff.is_nan() || max_diff > tolerance {
+                    return Err(refuse(vector, *batch, max_diff));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn golden_error(&self, message: String) -> LoadError {
+        LoadError::Manifest { path: self.dir.join("model.toml"), message: format!("golden vectors: {message}") }
+    }
+}
+
+fn parse_onnx(manifest: &Manifest, bytes: &[u8]) -> TractResult<(TypedModel, Symbol)> {
+    let mut model = tract_onnx::onnx()
+        .with_ignore_output_shapes(true)
+        .with_ignore_value_info(true)
+        .model_for_read(&mut &bytes[..])?;
+    let batch = model.sym("batch");
+    let input_name = &model.node(model.input_outlets()?[0].node).name;
+    anyhow::ensure!(
+        model.input_outlets()?.len() == 1 && *input_name == manifest.input.name,
+        "the model's inputs are {:?}, the manifest declares one input {:?}",
+        model.input_outlets()?.iter().map(|o| model.node(o.node).name.clone()).collect::<Vec<_>>(),
+        manifest.input.name
+    );
+    anyhow::ensure!(
+        model.output_outlets()?.len() == manifest.outputs.len(),
+        "the model has {} outputs, the manifest declares {}",
+        model.output_outlets()?.len(),
+        manifest.outputs.len()
+    );
+    let dims: TVec<TDim> = manifest
+        .input
+        .shape
+        .iter()
+        .map(|&d| if d == -1 { batch.to_dim() } else { (d as usize).to_dim() })
+        .collect();
+    model.set_input_fact(0, InferenceFact::dt_shape(datum_type(manifest.input.datatype), dims))?;
+    let typed = model.into_typed()?.into_decluttered()?;
+    Ok((typed, batch))
+}
+
+fn datum_type(datatype: Datatype) -> DatumType {
+    match datatype {
+        Datatype::Fp32 => DatumType::F32,
+        Datatype::Fp64 => DatumType::F64,
+        Datatype::Int8 => DatumType::I8,
+        Datatype::Uint8 => DatumType::U8,
+        Datatype::Int32 => DatumType::I32,
+        Datatype::Int64 => DatumType::I64,
+    }
+}
+
+/// The first `rows` rows of an output, with its shape.
+fn output_rows(value: &TValue, rows: usize) -> TractResult<(Vec<usize>, TensorData)> {
+    let mut shape = value.shape().to_vec();
+    let row_len: usize = shape.iter().skip(1).product();
+    shape[0] = rows;
+    let n = rows * row_len;
+    fn rows_of<D: Datum + Copy>(value: &TValue, n: usize) -> TractResult<Vec<D>> {
+        Ok(value.try_as_plain_ram()?.as_slice::<D>()?[..n].to_vec())
+    }
+    let data = match value.datum_type().unquantized() {
+        DatumType::F32 => TensorData::F32(rows_of(value, n)?),
+        DatumType::F64 => TensorData::F64(rows_of(value, n)?),
+        // Quantized i8/u8 outputs read as their storage type.
+        DatumType::I8 => TensorData::I8(rows_of(value, n)?),
+        DatumType::U8 => TensorData::U8(rows_of(value, n)?),
+        DatumType::I32 => TensorData::I32(rows_of(value, n)?),
+        DatumType::I64 => TensorData::I64(rows_of(value, n)?),
+        other => {
+            let cast = value.cast_to::<f32>()?;
+            anyhow::ensure!(cast.len() >= n, "output of type {other:?} has too few elements");
+            TensorData::F32(cast.try_as_plain_ram()?.as_slice::<f32>()?[..n].to_vec())
+        }
+    };
+    Ok((shape, data))
+}
+
+
+impl LoadedModel {
+    /// Mean wall time per row of `iterations` runs at `batch` rows of zeros,
+    /// after one warm-up run: the figure `models verify` prints.
+    pub fn time_per_item(&self, batch: usize, iterations: usize) -> Result<Duration, RunError> {
+        let n = batch * self.manifest.input.row_len();
+        let input = self
+            .manifest
+            .preprocess
+            .apply(TensorData::Number(vec![0.0; n]), self.manifest.input.datatype)
+            .map_err(|m| self.run_error(m))?;
+        self.run(batch, &input)?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            self.run(batch, &input)?;
+        }
+        Ok(start.elapsed() / (iterations * batch).max(1) as u32)
+    }
+}

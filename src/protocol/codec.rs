@@ -1,0 +1,109 @@
+//! Bytes to requests and replies to bytes, in either encoding.
+
+use super::postcard::{WireError, WireReply, WireRequest};
+use super::{Encoding, ErrorReply, InferError, InferRequest, InferResponse};
+
+/// Decodes a request. Schema errors name the offending field by its path
+/// (`inputs[0].data[3]`); errors inside `inputs` are `invalid_input`, the rest
+/// `invalid_payload`.
+pub fn decode_request(payload: &[u8], encoding: Encoding) -> Result<InferRequest, InferError> {
+    if payload.is_empty() {
+        return Err(InferError::invalid_payload(
+            "the payload is empty; send an Open Inference Protocol request with an `inputs` list",
+        ));
+    }
+    match encoding {
+        Encoding::Json => {
+            let mut de = serde_json::Deserializer::from_slice(payload);
+            let result: Result<InferRequest, _> = serde_path_to_error::deserialize(&mut de);
+            let req = result.map_err(json_error)?;
+            de.end().map_err(|e| {
+                InferError::invalid_payload(format!(
+                    "the payload has trailing bytes after the JSON request ({e}); send one JSON object"
+                ))
+            })?;
+            Ok(req)
+        }
+        Encoding::Postcard => {
+            let wire: WireRequest = ::postcard::from_bytes(payload).map_err(|e| {
+                InferError::invalid_payload(format!(
+                    "the payload is not a postcard-encoded edgeinfer::protocol::postcard::WireRequest ({e}); \
+                     encode it with the crate's protocol types, or send JSON with content type application/json"
+                ))
+            })?;
+            Ok(wire.into())
+        }
+    }
+}
+
+fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> InferError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    if inner.is_syntax() || inner.is_eof() {
+        return InferError::invalid_payload(format!(
+            "the payload is not valid JSON ({inner}); send a JSON object like \
+             {{\"inputs\":[{{\"name\":\"input\",\"shape\":[1,64],\"datatype\":\"FP32\",\"data\":[...]}}]}}"
+        ));
+    }
+    if path == "." {
+        return InferError::invalid_payload(format!(
+            "the request does not match the Open Inference Protocol ({inner}); \
+             it must be a JSON object with an `inputs` list"
+        ));
+    }
+    let message = format!("field `{path}`: {inner}");
+    if path.starts_with("inputs") {
+        InferError::invalid_input(message)
+    } else {
+        InferError::invalid_payload(message)
+    }
+}
+
+/// Encodes the one final reply of a request.
+pub fn encode_reply(
+    id: &str,
+    result: Result<InferResponse, InferError>,
+    encoding: Encoding,
+) -> Vec<u8> {
+    match (encoding, result) {
+        (Encoding::Json, Ok(resp)) => serde_json::to_vec(&resp),
+        (Encoding::Json, Err(err)) => serde_json::to_vec(&ErrorReply::new(id, &err)),
+        (Encoding::Postcard, Ok(resp)) => {
+            return ::postcard::to_stdvec(&WireReply::Ok(resp.into()))
+                .expect("postcard encoding into a Vec cannot fail");
+        }
+        (Encoding::Postcard, Err(err)) => {
+            return ::postcard::to_stdvec(&WireReply::Err(WireError::new(id, &err)))
+                .expect("postcard encoding into a Vec cannot fail");
+        }
+    }
+    .expect("JSON encoding of protocol types cannot fail")
+}
+
+/// Decodes a reply (for clients: `bench`, tests, the cloud tier).
+pub fn decode_reply(
+    payload: &[u8],
+    encoding: Encoding,
+) -> Result<Result<InferResponse, ErrorReply>, String> {
+    match encoding {
+        Encoding::Json => {
+            let v: serde_json::Value = serde_json::from_slice(payload).map_err(|e| e.to_string())?;
+            if v.get("error").is_some() {
+                serde_json::from_value(v).map(Err).map_err(|e| e.to_string())
+            } else {
+                serde_json::from_value(v).map(Ok).map_err(|e| e.to_string())
+            }
+        }
+        Encoding::Postcard => match ::postcard::from_bytes::<WireReply>(payload) {
+            Ok(WireReply::Ok(r)) => Ok(Ok(r.into())),
+            Ok(WireReply::Err(e)) => Ok(Err(ErrorReply {
+                id: e.id,
+                error: e.error,
+                parameters: super::ErrorParameters {
+                    code: super::ErrorCode::parse(&e.code).unwrap_or(super::ErrorCode::Internal),
+                },
+            })),
+            Err(e) => Err(e.to_string()),
+        },
+    }
+}
