@@ -15,7 +15,7 @@ pub enum ConfigError {
     Key { key: String, message: String },
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub node: NodeConfig,
@@ -55,7 +55,7 @@ pub struct HttpConfig {
     pub listen: String,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CloudConfig {
     pub enabled: bool,
@@ -90,30 +90,12 @@ pub struct ModelConfig {
     pub threshold: f32,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            node: NodeConfig::default(),
-            mqtt: MqttConfig::default(),
-            http: HttpConfig::default(),
-            cloud: CloudConfig::default(),
-            runtime: RuntimeConfig::default(),
-            limits: LimitsConfig::default(),
-            models: BTreeMap::new(),
-        }
-    }
-}
-
 impl Default for NodeConfig {
     fn default() -> Self {
         let under_systemd = std::env::var_os("INVOCATION_ID").is_some();
         NodeConfig {
             id: host_name(),
-            models_dir: if under_systemd {
-                "/usr/share/edgeinfer/models".into()
-            } else {
-                "models".into()
-            },
+            models_dir: if under_systemd { "/usr/share/edgeinfer/models".into() } else { "models".into() },
             state_dir: std::env::var_os("STATE_DIRECTORY")
                 .map(|s| {
                     // systemd passes a colon-separated list; the first is ours.
@@ -139,12 +121,6 @@ impl Default for MqttConfig {
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig { listen: "127.0.0.1:9464".into() }
-    }
-}
-
-impl Default for CloudConfig {
-    fn default() -> Self {
-        CloudConfig { enabled: false, url: String::new(), token_file: None }
     }
 }
 
@@ -182,10 +158,8 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-                text.parse::<toml::Table>().map_err(|e| ConfigError::Syntax {
-                    path: path.to_owned(),
-                    message: e.to_string(),
-                })?
+                text.parse::<toml::Table>()
+                    .map_err(|e| ConfigError::Syntax { path: path.to_owned(), message: e.to_string() })?
             }
             None => toml::Table::new(),
         };
@@ -195,8 +169,9 @@ impl Config {
         for (var, value) in overrides {
             apply_override(&mut table, &var, &value)?;
         }
-        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table))
-            .map_err(|e| ConfigError::Key { key: e.path().to_string(), message: e.into_inner().to_string() })?;
+        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+            ConfigError::Key { key: e.path().to_string(), message: e.into_inner().to_string() }
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -204,7 +179,10 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: String| Err(ConfigError::Key { key: key.into(), message });
         if self.node.id.is_empty() || self.node.id.contains(['/', '+', '#']) {
-            return bad("node.id", format!("{:?}: use a non-empty name without '/', '+' or '#'", self.node.id));
+            return bad(
+                "node.id",
+                format!("{:?}: use a non-empty name without '/', '+' or '#'", self.node.id),
+            );
         }
         if !(self.mqtt.url.starts_with("mqtt://") || self.mqtt.url.starts_with("mqtts://")) {
             return bad(
@@ -212,33 +190,66 @@ impl Config {
                 format!("{:?}: use mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS", self.mqtt.url),
             );
         }
-        for (key, value) in [("mqtt.topic_prefix", &self.mqtt.topic_prefix), ("mqtt.share_group", &self.mqtt.share_group)] {
+        for (key, value) in
+            [("mqtt.topic_prefix", &self.mqtt.topic_prefix), ("mqtt.share_group", &self.mqtt.share_group)]
+        {
             if value.is_empty() || value.contains(['+', '#']) || value.starts_with('$') {
-                return bad(key, format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"));
+                return bad(
+                    key,
+                    format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"),
+                );
             }
         }
         if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            return bad("http.listen", format!("{:?}: use HOST:PORT like 127.0.0.1:9464, or \"\" to disable", self.http.listen));
+            return bad(
+                "http.listen",
+                format!("{:?}: use HOST:PORT like 127.0.0.1:9464, or \"\" to disable", self.http.listen),
+            );
         }
-        if self.cloud.enabled && !(self.cloud.url.starts_with("http://") || self.cloud.url.starts_with("https://")) {
-            return bad("cloud.url", format!("{:?}: with cloud.enabled = true, give the http:// or https:// URL of an Open Inference Protocol server", self.cloud.url));
+        if self.cloud.enabled
+            && !(self.cloud.url.starts_with("http://") || self.cloud.url.starts_with("https://"))
+        {
+            return bad(
+                "cloud.url",
+                format!(
+                    "{:?}: with cloud.enabled = true, give the http:// or https:// URL of an Open Inference Protocol server",
+                    self.cloud.url
+                ),
+            );
         }
         let sizes = &self.runtime.batch_sizes;
-        if sizes.first() != Some(&1) || sizes.windows(2).any(|w| w[0] >= w[1]) || sizes.iter().any(|&s| s > 4096) {
-            return bad("runtime.batch_sizes", format!("{sizes:?}: list ascending sizes starting at 1, at most 4096, like [1, 2, 4, 8, 16, 32]"));
+        if sizes.first() != Some(&1)
+            || sizes.windows(2).any(|w| w[0] >= w[1])
+            || sizes.iter().any(|&s| s > 4096)
+        {
+            return bad(
+                "runtime.batch_sizes",
+                format!(
+                    "{sizes:?}: list ascending sizes starting at 1, at most 4096, like [1, 2, 4, 8, 16, 32]"
+                ),
+            );
         }
         if !(1..=64).contains(&self.runtime.threads_per_model) {
-            return bad("runtime.threads_per_model", format!("{}: use 1 to 64", self.runtime.threads_per_model));
+            return bad(
+                "runtime.threads_per_model",
+                format!("{}: use 1 to 64", self.runtime.threads_per_model),
+            );
         }
         if !(64..=64 * 1024 * 1024).contains(&self.limits.max_payload_bytes) {
-            return bad("limits.max_payload_bytes", format!("{}: use 64 to 67108864", self.limits.max_payload_bytes));
+            return bad(
+                "limits.max_payload_bytes",
+                format!("{}: use 64 to 67108864", self.limits.max_payload_bytes),
+            );
         }
         if self.limits.max_rows == 0 {
             return bad("limits.max_rows", "0: use at least 1".into());
         }
         for (name, model) in &self.models {
             if !(0.0..=1.0).contains(&model.threshold) {
-                return bad(&format!("models.{name}.threshold"), format!("{}: use a confidence between 0.0 and 1.0", model.threshold));
+                return bad(
+                    &format!("models.{name}.threshold"),
+                    format!("{}: use a confidence between 0.0 and 1.0", model.threshold),
+                );
             }
         }
         Ok(())
@@ -249,12 +260,12 @@ impl Config {
 /// sets `models.digits.threshold`. Values are read as TOML (`true`, `8`, `[1, 8]`),
 /// and as a plain string when they are not valid TOML.
 fn apply_override(table: &mut toml::Table, var: &str, value: &str) -> Result<(), ConfigError> {
-    let path: Vec<String> =
-        var[ENV_PREFIX.len()..].split("__").map(|s| s.to_ascii_lowercase()).collect();
+    let path: Vec<String> = var[ENV_PREFIX.len()..].split("__").map(|s| s.to_ascii_lowercase()).collect();
     if path.len() < 2 || path.iter().any(|p| p.is_empty()) {
         return Err(ConfigError::Key {
             key: var.into(),
-            message: "environment overrides are named EDGEINFER_<SECTION>__<KEY>, like EDGEINFER_MQTT__URL".into(),
+            message: "environment overrides are named EDGEINFER_<SECTION>__<KEY>, like EDGEINFER_MQTT__URL"
+                .into(),
         });
     }
     let parsed = format!("v = {value}")
@@ -281,4 +292,53 @@ fn host_name() -> String {
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "edgeinfer".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn environment_overrides_the_file_with_typed_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.toml");
+        std::fs::write(&file, "[node]\nid = \"from-file\"\n[mqtt]\nurl = \"mqtt://a:1883\"\n").unwrap();
+        let config = Config::load_with_env(
+            Some(&file),
+            env(&[
+                ("EDGEINFER_MQTT__URL", "mqtt://10.0.0.5:1883"),
+                ("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"),
+                ("EDGEINFER_RUNTIME__BATCH_SIZES", "[1, 8]"),
+                ("EDGEINFER_MODELS__DIGITS__THRESHOLD", "0.9"),
+                ("OTHER_VAR", "ignored"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(config.node.id, "from-file");
+        assert_eq!(config.mqtt.url, "mqtt://10.0.0.5:1883");
+        assert!(config.mqtt.embedded_broker);
+        assert_eq!(config.runtime.batch_sizes, vec![1, 8]);
+        assert_eq!(config.models["digits"].threshold, 0.9);
+        assert_eq!(config.http.listen, "127.0.0.1:9464");
+    }
+
+    #[test]
+    fn a_bad_value_names_the_key_and_the_expected_type() {
+        let err =
+            Config::load_with_env(None, env(&[("EDGEINFER_MQTT__EMBEDDED_BROKER", "yes")])).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("mqtt.embedded_broker") && text.contains("yes") && text.contains("bool"),
+            "{text}"
+        );
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_NOPE", "1")])).unwrap_err();
+        assert!(err.to_string().contains("EDGEINFER_<SECTION>__<KEY>"), "{err}");
+        let err =
+            Config::load_with_env(None, env(&[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.5")])).unwrap_err();
+        assert!(err.to_string().contains("models.digits.threshold"), "{err}");
+    }
 }

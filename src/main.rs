@@ -132,7 +132,10 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(if handled.outcome.is_ok() { 0 } else { 2 })
         }
         Command::Models { command: ModelsCommand::List } => {
-            println!("{:<16} {:<8} {:<6} {:<9} {:<10} STATUS", "MODEL", "VERSION", "QUANT", "KERNELS", "SHA256");
+            println!(
+                "{:<16} {:<8} {:<6} {:<9} {:<10} STATUS",
+                "MODEL", "VERSION", "QUANT", "KERNELS", "SHA256"
+            );
             for m in registry.all() {
                 println!(
                     "{:<16} {:<8} {:<6} {:<9} {:<10} {}",
@@ -193,7 +196,9 @@ fn read_input(input: &str) -> Result<Vec<u8>> {
         buf = std::fs::read(input).with_context(|| format!("reading the request from {input}"))?;
     }
     if buf.is_empty() && input == "-" {
-        bail!("no request on standard input; pass --input FILE or pipe an Open Inference Protocol JSON request");
+        bail!(
+            "no request on standard input; pass --input FILE or pipe an Open Inference Protocol JSON request"
+        );
     }
     Ok(buf)
 }

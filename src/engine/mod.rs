@@ -105,11 +105,16 @@ impl Engine {
         let start = Instant::now();
         let model = route::route(&self.registry, target, &req)?;
         let prepared = preprocess::prepare(&model, &req, &self.options.limits)?;
-        let runner = self
-            .runners
-            .get(&(model.name().to_string(), model.version().to_string()))
-            .ok_or_else(|| InferError::internal(format!("model {} has no inference threads", model.name())))?;
+        let runner =
+            self.runners.get(&(model.name().to_string(), model.version().to_string())).ok_or_else(|| {
+                InferError::internal(format!("model {} has no inference threads", model.name()))
+            })?;
         let outputs = match req.parameters.deadline_ms {
+            Some(ms) if start.elapsed() >= Duration::from_millis(ms) => {
+                return Err(InferError::deadline_exceeded(format!(
+                    "parameters.deadline_ms = {ms} passed before the model could run; allow more time"
+                )));
+            }
             Some(ms) => {
                 let left = Duration::from_millis(ms).saturating_sub(start.elapsed());
                 tokio::time::timeout(left, runner.run(prepared)).await.map_err(|_| {

@@ -28,7 +28,11 @@ pub fn respond(
         }
         if let Some(k) = req.parameters.top_k.filter(|&k| k > 0) {
             parameters.top_k = Some(
-                ranked.iter().take(k as usize).map(|&(i, p)| TopK { label: label(i), confidence: p as f32 }).collect(),
+                ranked
+                    .iter()
+                    .take(k as usize)
+                    .map(|&(i, p)| TopK { label: label(i), confidence: p as f32 })
+                    .collect(),
             );
         }
     }

@@ -12,7 +12,11 @@ pub struct Prepared {
     pub input: TensorData,
 }
 
-pub fn prepare(model: &LoadedModel, req: &InferRequest, limits: &LimitsConfig) -> Result<Prepared, InferError> {
+pub fn prepare(
+    model: &LoadedModel,
+    req: &InferRequest,
+    limits: &LimitsConfig,
+) -> Result<Prepared, InferError> {
     let spec = &model.manifest.input;
     let name = model.name();
     let input = match req.inputs.as_slice() {

@@ -49,9 +49,9 @@ impl Runner {
                 return Err(InferError::internal(format!("model {} has stopped", self.model.name())));
             }
         }
-        answer
-            .await
-            .unwrap_or_else(|_| Err(InferError::internal(format!("model {} dropped a request", self.model.name()))))
+        answer.await.unwrap_or_else(|_| {
+            Err(InferError::internal(format!("model {} dropped a request", self.model.name())))
+        })
     }
 }
 
@@ -70,5 +70,26 @@ fn work(model: &LoadedModel, rx: &Mutex<Receiver<Job>>) {
             .run(job.prepared.rows, &job.prepared.input)
             .map_err(|e| InferError::internal(e.to_string()));
         let _ = job.reply.send(result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RuntimeOptions;
+    use crate::protocol::{ErrorCode, TensorData};
+
+    #[tokio::test]
+    async fn a_failed_run_is_an_internal_error_and_the_runner_keeps_serving() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
+        let model = Arc::new(LoadedModel::load(&dir, &RuntimeOptions::default()).unwrap());
+        let runner = Runner::start(model, 1, 4);
+        let broken = Prepared { rows: 1, input: TensorData::F32(vec![0.0; 3]) };
+        let err = runner.run(broken).await.unwrap_err();
+        assert_eq!(err.code, ErrorCode::Internal);
+        assert!(err.message.contains("digits"), "{}", err.message);
+        let good = Prepared { rows: 2, input: TensorData::F32(vec![0.5; 128]) };
+        let out = runner.run(good).await.unwrap();
+        assert_eq!(out[0].shape, vec![2, 10]);
     }
 }

@@ -18,12 +18,5 @@ pub enum LoadError {
         "model {model} version {version}: golden vector {vector} differs from the reference by {max_diff:.3e} \
          at batch size {batch} (tolerance {tolerance:.1e}); refusing to serve a model that computes wrong answers"
     )]
-    Golden {
-        model: String,
-        version: String,
-        vector: usize,
-        batch: usize,
-        max_diff: f64,
-        tolerance: f64,
-    },
+    Golden { model: String, version: String, vector: usize, batch: usize, max_diff: f64, tolerance: f64 },
 }

@@ -20,9 +20,8 @@ impl KernelReport {
                 continue;
             }
             let Ok(facts) = model.node_input_facts(node.id) else { continue };
-            let integer = facts
-                .iter()
-                .any(|f| matches!(f.datum_type.unquantized(), DatumType::I8 | DatumType::U8));
+            let integer =
+                facts.iter().any(|f| matches!(f.datum_type.unquantized(), DatumType::I8 | DatumType::U8));
             let dt = facts.first().map(|f| format!("{:?}", f.datum_type.unquantized())).unwrap_or_default();
             let entry = format!("{op}({dt})");
             if integer {

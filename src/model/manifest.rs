@@ -113,10 +113,14 @@ impl Manifest {
         if self.sha256.len() != 64 || !self.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!("sha256 = {:?}: must be 64 hex digits", self.sha256));
         }
-        for (what, spec) in std::iter::once(("input", &self.input))
-            .chain(self.outputs.iter().map(|o| ("outputs", o)))
+        for (what, spec) in
+            std::iter::once(("input", &self.input)).chain(self.outputs.iter().map(|o| ("outputs", o)))
         {
-            if spec.shape.is_empty() || spec.shape.iter().skip(1).any(|&d| d <= 0) || spec.shape[0] < -1 || spec.shape[0] == 0 {
+            if spec.shape.is_empty()
+                || spec.shape.iter().skip(1).any(|&d| d <= 0)
+                || spec.shape[0] < -1
+                || spec.shape[0] == 0
+            {
                 return Err(format!(
                     "{what} {:?}: shape {:?} must start with -1 (the batch) or a size, then positive sizes",
                     spec.name, spec.shape

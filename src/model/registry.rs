@@ -117,8 +117,7 @@ impl Registry {
 }
 
 fn sorted_dirs(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
-    let entries =
-        std::fs::read_dir(dir).map_err(|source| LoadError::Io { path: dir.to_owned(), source })?;
+    let entries = std::fs::read_dir(dir).map_err(|source| LoadError::Io { path: dir.to_owned(), source })?;
     let mut dirs: Vec<PathBuf> =
         entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
     dirs.sort();

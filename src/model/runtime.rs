@@ -74,8 +74,7 @@ impl LoadedModel {
             message: format!("{e:#}"),
         };
         let path = dir.join(&manifest.file);
-        let bytes =
-            std::fs::read(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
+        let bytes = std::fs::read(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
         let actual = hex::encode(Sha256::digest(&bytes));
         if !actual.eq_ignore_ascii_case(&manifest.sha256) {
             return Err(LoadError::Sha256Mismatch {
@@ -157,11 +156,9 @@ impl LoadedModel {
             let tensor = self
                 .input_tensor(input, done, take, *bucket)
                 .map_err(|e| self.run_error(format!("{e:#}")))?;
-            let result =
-                plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))?;
+            let result = plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))?;
             for (i, value) in result.iter().enumerate() {
-                let (shape, data) =
-                    output_rows(value, take).map_err(|e| self.run_error(format!("{e:#}")))?;
+                let (shape, data) = output_rows(value, take).map_err(|e| self.run_error(format!("{e:#}")))?;
                 match outputs.get_mut(i) {
                     Some(out) => {
                         out.shape[0] += take;
@@ -183,7 +180,13 @@ impl LoadedModel {
         RunError { model: self.manifest.name.clone(), version: self.manifest.version.clone(), message }
     }
 
-    fn input_tensor(&self, input: &TensorData, first_row: usize, rows: usize, bucket: usize) -> TractResult<Tensor> {
+    fn input_tensor(
+        &self,
+        input: &TensorData,
+        first_row: usize,
+        rows: usize,
+        bucket: usize,
+    ) -> TractResult<Tensor> {
         let spec = &self.manifest.input;
         let row_len = spec.row_len();
         let mut shape: Vec<usize> = spec.shape.iter().map(|&d| d.max(0) as usize).collect();
@@ -253,7 +256,10 @@ impl LoadedModel {
     }
 
     fn golden_error(&self, message: String) -> LoadError {
-        LoadError::Manifest { path: self.dir.join("model.toml"), message: format!("golden vectors: {message}") }
+        LoadError::Manifest {
+            path: self.dir.join("model.toml"),
+            message: format!("golden vectors: {message}"),
+        }
     }
 }
 
@@ -323,7 +329,6 @@ fn output_rows(value: &TValue, rows: usize) -> TractResult<(Vec<usize>, TensorDa
     };
     Ok((shape, data))
 }
-
 
 impl LoadedModel {
     /// Mean wall time per row of `iterations` runs at `batch` rows of zeros,

@@ -14,6 +14,13 @@ pub fn decode_request(payload: &[u8], encoding: Encoding) -> Result<InferRequest
     }
     match encoding {
         Encoding::Json => {
+            // serde would read a struct from a JSON array too; the contract says object.
+            if payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+                return Err(InferError::invalid_payload(
+                    "the payload is not a JSON object; send an Open Inference Protocol request \
+                     {\"inputs\": [...]} (or set content type application/x-postcard for postcard)",
+                ));
+            }
             let mut de = serde_json::Deserializer::from_slice(payload);
             let result: Result<InferRequest, _> = serde_path_to_error::deserialize(&mut de);
             let req = result.map_err(json_error)?;
@@ -60,11 +67,7 @@ fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> InferError {
 }
 
 /// Encodes the one final reply of a request.
-pub fn encode_reply(
-    id: &str,
-    result: Result<InferResponse, InferError>,
-    encoding: Encoding,
-) -> Vec<u8> {
+pub fn encode_reply(id: &str, result: Result<InferResponse, InferError>, encoding: Encoding) -> Vec<u8> {
     match (encoding, result) {
         (Encoding::Json, Ok(resp)) => serde_json::to_vec(&resp),
         (Encoding::Json, Err(err)) => serde_json::to_vec(&ErrorReply::new(id, &err)),
@@ -81,10 +84,7 @@ pub fn encode_reply(
 }
 
 /// Decodes a reply (for clients: `bench`, tests, the cloud tier).
-pub fn decode_reply(
-    payload: &[u8],
-    encoding: Encoding,
-) -> Result<Result<InferResponse, ErrorReply>, String> {
+pub fn decode_reply(payload: &[u8], encoding: Encoding) -> Result<Result<InferResponse, ErrorReply>, String> {
     match encoding {
         Encoding::Json => {
             let v: serde_json::Value = serde_json::from_slice(payload).map_err(|e| e.to_string())?;

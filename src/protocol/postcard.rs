@@ -5,8 +5,8 @@
 //! appending fields at the end (postcard is not self-describing).
 
 use super::{
-    CacheStatus, InferError, InferRequest, InferResponse, InputTensor, OutputTensor,
-    RequestParameters, RequestedOutput, ResponseParameters, ServedBy, TensorData, Tier, TopK,
+    CacheStatus, InferError, InferRequest, InferResponse, InputTensor, OutputTensor, RequestParameters,
+    RequestedOutput, ResponseParameters, ServedBy, TensorData, Tier, TopK,
 };
 use serde::{Deserialize, Serialize};
 

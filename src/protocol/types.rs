@@ -18,14 +18,8 @@ pub enum Datatype {
 }
 
 impl Datatype {
-    pub const ALL: [Datatype; 6] = [
-        Datatype::Fp32,
-        Datatype::Fp64,
-        Datatype::Int8,
-        Datatype::Uint8,
-        Datatype::Int32,
-        Datatype::Int64,
-    ];
+    pub const ALL: [Datatype; 6] =
+        [Datatype::Fp32, Datatype::Fp64, Datatype::Int8, Datatype::Uint8, Datatype::Int32, Datatype::Int64];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -293,7 +287,13 @@ impl TensorData {
             (TensorData::U8(a), TensorData::U8(b)) => a.extend(b),
             (TensorData::I32(a), TensorData::I32(b)) => a.extend(b),
             (TensorData::I64(a), TensorData::I64(b)) => a.extend(b),
-            (a, b) => return Err(format!("cannot append {:?} elements to {:?} elements", b.datatype(), a.datatype())),
+            (a, b) => {
+                return Err(format!(
+                    "cannot append {:?} elements to {:?} elements",
+                    b.datatype(),
+                    a.datatype()
+                ));
+            }
         }
         Ok(())
     }

@@ -1,0 +1,131 @@
+//! The real `edgeinfer` binary, as a user runs it.
+
+use crate::{digits_request, heldout, models_dir};
+use serde_json::Value;
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn edgeinfer(args: &[&str], stdin: Option<&[u8]>, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_edgeinfer"));
+    cmd.args(args)
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env_remove("EDGEINFER_CONFIG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut pipe = child.stdin.take().unwrap();
+    if let Some(bytes) = stdin {
+        pipe.write_all(bytes).unwrap();
+    }
+    drop(pipe);
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn infer_from_stdin_and_from_a_file() {
+    let split = heldout();
+    let (label, px) = &split[3];
+    let request = digits_request("cli-1", std::slice::from_ref(px)).to_string();
+    let out = edgeinfer(
+        &["infer", "--model", "digits"],
+        Some(request.as_bytes()),
+        &[("EDGEINFER_NODE__ID", "gw-test")],
+    );
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let reply: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reply["id"], "cli-1");
+    assert_eq!(reply["model_name"], "digits");
+    assert_eq!(reply["parameters"]["label"], label.to_string());
+    assert_eq!(reply["parameters"]["node"], "gw-test");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("req.json");
+    std::fs::write(&file, &request).unwrap();
+    let out = edgeinfer(&["infer", "-m", "digits-large", "--input", file.to_str().unwrap()], None, &[]);
+    assert!(out.status.success());
+    let reply: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reply["model_name"], "digits-large");
+    assert_eq!(reply["parameters"]["label"], label.to_string());
+}
+
+#[test]
+fn infer_error_reply_exits_2() {
+    let out = edgeinfer(&["infer", "--model", "digits"], Some(b"{not json"), &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let reply: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reply["parameters"]["code"], "invalid_payload");
+}
+
+#[test]
+fn models_verify_reports_kernels_and_latency() {
+    let out = edgeinfer(&["models", "verify", "--iterations", "5"], None, &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let digits = text.split("\ndigits-").next().unwrap();
+    assert!(digits.contains("digits 1: ok"), "{text}");
+    assert!(digits.contains("kernels: integer"), "{text}");
+    assert!(text.contains("digits-large 1: ok"), "{text}");
+    assert!(text.contains("us/item"), "{text}");
+}
+
+#[test]
+fn models_list_shows_every_shipped_model() {
+    let out = edgeinfer(&["models", "list"], None, &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for m in ["digits ", "digits-f32", "digits-large"] {
+        assert!(text.contains(m), "{text}");
+    }
+}
+
+#[test]
+fn config_mistakes_name_the_key_the_value_and_what_is_allowed() {
+    let out = edgeinfer(&["models", "list"], None, &[("EDGEINFER_MQTT__URL", "http://10.0.0.5")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("mqtt.url") && err.contains("http://10.0.0.5") && err.contains("mqtt://"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edgeinfer.toml");
+    std::fs::write(&file, "[mqtt]\nurll = \"mqtt://x:1883\"\n").unwrap();
+    let out = edgeinfer(&["--config", file.to_str().unwrap(), "models", "list"], None, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("mqtt") && err.contains("urll") && err.contains("url"), "{err}");
+
+    std::fs::write(&file, "[runtime]\nbatch_sizes = [8, 1]\n").unwrap();
+    let out = edgeinfer(&["--config", file.to_str().unwrap(), "models", "list"], None, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("runtime.batch_sizes") && err.contains("[8, 1]") && err.contains("ascending"),
+        "{err}"
+    );
+}
+
+#[test]
+fn help_and_version() {
+    for args in [
+        &["--help"][..],
+        &["infer", "--help"],
+        &["models", "--help"],
+        &["models", "verify", "--help"],
+        &["models", "list", "--help"],
+    ] {
+        let out = edgeinfer(args, None, &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}");
+        assert!(text.contains("Usage:") && text.contains("--config"), "{args:?}: {text}");
+    }
+    let out = edgeinfer(&["infer", "--help"], None, &[]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--model"));
+    let out = edgeinfer(&["--version"], None, &[]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("edgeinfer {}", env!("CARGO_PKG_VERSION"))
+    );
+}

@@ -1,0 +1,33 @@
+//! Integration tests: the real models, the real pipeline, the real binary.
+
+mod cli;
+mod errors;
+mod models;
+
+use std::path::PathBuf;
+
+pub fn models_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models")
+}
+
+/// The held-out split the producing script wrote: (label, 64 raw pixels).
+pub fn heldout() -> Vec<(usize, Vec<f64>)> {
+    let text = std::fs::read_to_string(models_dir().join("heldout/digits.csv")).unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let mut v = l.split(',').map(|x| x.parse::<f64>().unwrap());
+            let label = v.next().unwrap() as usize;
+            (label, v.collect())
+        })
+        .collect()
+}
+
+/// A JSON request for `rows` rows of `digits` input.
+pub fn digits_request(id: &str, rows: &[Vec<f64>]) -> serde_json::Value {
+    let data: Vec<f64> = rows.iter().flatten().copied().collect();
+    serde_json::json!({
+        "id": id,
+        "inputs": [{"name": "input", "shape": [rows.len(), 64], "datatype": "FP32", "data": data}]
+    })
+}
