@@ -44,8 +44,39 @@ pub struct NodeConfig {
 pub struct MqttConfig {
     pub url: String,
     pub embedded_broker: bool,
+    /// The embedded broker's MQTT 3.1.1 listener (rumqttd serves each protocol
+    /// version on its own port); default: the url's port + 1. "" disables it.
+    pub embedded_v311_listen: Option<String>,
     pub topic_prefix: String,
     pub share_group: String,
+    /// Client id; fixed so the broker keeps the session (and the requests
+    /// that arrive while the node restarts). Default `edgeinfer-NODE`.
+    pub client_id: Option<String>,
+    /// How long the broker keeps the session while the node is away.
+    pub session_expiry_s: u32,
+    pub keep_alive_s: u16,
+    pub username: Option<String>,
+    /// Prefer `password_file` or `EDGEINFER_MQTT__PASSWORD`; never logged.
+    pub password: Option<Secret>,
+    pub password_file: Option<PathBuf>,
+    /// PEM CA bundle for mqtts://; default: the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate and key for mutual TLS.
+    pub client_cert_file: Option<PathBuf>,
+    pub client_key_file: Option<PathBuf>,
+    /// Requests processed at once; beyond it the node answers `overloaded`.
+    pub max_in_flight: usize,
+}
+
+/// A value that never appears in logs, status or `Debug` output.
+#[derive(Clone, Deserialize, PartialEq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"<redacted>\"")
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -112,8 +143,19 @@ impl Default for MqttConfig {
         MqttConfig {
             url: "mqtt://127.0.0.1:1883".into(),
             embedded_broker: false,
+            embedded_v311_listen: None,
             topic_prefix: "edgeinfer".into(),
             share_group: "edgeinfer".into(),
+            client_id: None,
+            session_expiry_s: 3600,
+            keep_alive_s: 30,
+            username: None,
+            password: None,
+            password_file: None,
+            ca_file: None,
+            client_cert_file: None,
+            client_key_file: None,
+            max_in_flight: 512,
         }
     }
 }
@@ -199,6 +241,24 @@ impl Config {
                     format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"),
                 );
             }
+        }
+        if !(1..=65535).contains(&self.mqtt.max_in_flight) {
+            return bad("mqtt.max_in_flight", format!("{}: use 1 to 65535", self.mqtt.max_in_flight));
+        }
+        if self.mqtt.client_cert_file.is_some() != self.mqtt.client_key_file.is_some() {
+            return bad(
+                "mqtt.client_cert_file",
+                "give both mqtt.client_cert_file and mqtt.client_key_file for mutual TLS, or neither".into(),
+            );
+        }
+        if let Some(listen) = &self.mqtt.embedded_v311_listen
+            && !listen.is_empty()
+            && listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return bad(
+                "mqtt.embedded_v311_listen",
+                format!("{listen:?}: use HOST:PORT, or \"\" to disable"),
+            );
         }
         if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
             return bad(

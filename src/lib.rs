@@ -9,3 +9,5 @@ pub mod config;
 pub mod engine;
 pub mod model;
 pub mod protocol;
+pub mod telemetry;
+pub mod transport;

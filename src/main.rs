@@ -6,6 +6,9 @@ use edgeinfer::config::Config;
 use edgeinfer::engine::{Engine, EngineOptions, Target};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::Encoding;
+use edgeinfer::telemetry::{Status, unix_now};
+use edgeinfer::transport::broker;
+use edgeinfer::transport::mqtt::{BrokerAddress, MqttService};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,7 +32,13 @@ struct Cli {
     #[arg(long, global = true, value_name = "DIR")]
     models_dir: Option<PathBuf>,
     /// Log filter (error, warn, info, debug, trace, or tracing directives).
-    #[arg(long, global = true, env = "EDGEINFER_LOG", default_value = "warn", value_name = "FILTER")]
+    #[arg(
+        long,
+        global = true,
+        env = "EDGEINFER_LOG",
+        default_value = "info,rumqttd=warn",
+        value_name = "FILTER"
+    )]
     log: String,
     #[command(subcommand)]
     command: Command,
@@ -37,6 +46,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve inference requests over MQTT until SIGTERM or SIGINT.
+    ///
+    /// Subscribes (QoS 1, persistent session) to PREFIX/NODE/infer/+ and to
+    /// the shared $share/GROUP/PREFIX/infer/+, replies to each request's MQTT 5
+    /// Response Topic (or its payload's reply_to), and keeps a retained
+    /// PREFIX/NODE/status. Without --config, and with nothing listening on
+    /// mqtt.url, it starts the embedded broker there (as mqtt.embedded_broker
+    /// = true does), so a first run needs no setup.
+    Serve,
     /// Answer one Open Inference Protocol request through the same pipeline
     /// the services use, and print the reply.
     ///
@@ -94,7 +112,12 @@ fn main() {
 fn init_logging(filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn run(cli: Cli) -> Result<i32> {
@@ -109,6 +132,10 @@ fn run(cli: Cli) -> Result<i32> {
         tracing::error!("refused {}: {}", refused.dir.display(), refused.error);
     }
     match cli.command {
+        Command::Serve => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(serve(config, registry, cli.config.is_some()))
+        }
         Command::Infer { model, model_version, input, postcard } => {
             let payload = read_input(&input)?;
             let engine = Engine::new(
@@ -122,7 +149,7 @@ fn run(cli: Cli) -> Result<i32> {
             );
             let encoding = if postcard { Encoding::Postcard } else { Encoding::Json };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let target = Target { model: &model, version: model_version.as_deref() };
+            let target = Target { model: &model, version: model_version.as_deref(), deadline: None };
             let handled = rt.block_on(engine.handle(target, &payload, encoding));
             let mut out = std::io::stdout().lock();
             out.write_all(&handled.reply)?;
@@ -185,6 +212,55 @@ fn run(cli: Cli) -> Result<i32> {
             }
             if registry.refused.is_empty() { Ok(0) } else { Ok(1) }
         }
+    }
+}
+
+async fn serve(config: Config, registry: Registry, config_given: bool) -> Result<i32> {
+    let address = BrokerAddress::parse(&config.mqtt.url)?;
+    let addr = address
+        .socket_addr()
+        .with_context(|| format!("mqtt.url {:?}: cannot resolve the host", config.mqtt.url))?;
+    let fallback = !config_given && !address.tls && !broker::listening(addr);
+    if config.mqtt.embedded_broker || fallback {
+        let v311 = match config.mqtt.embedded_v311_listen.as_deref() {
+            None => Some(std::net::SocketAddr::new(addr.ip(), addr.port().wrapping_add(1))),
+            Some("") => None,
+            Some(listen) => Some(listen.parse()?),
+        };
+        broker::start(addr, v311, config.limits.max_payload_bytes + 64 * 1024)?;
+        tracing::info!(
+            "embedded broker: MQTT 5 on {addr}{}",
+            v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default()
+        );
+    }
+    let engine = Arc::new(Engine::new(
+        Arc::new(registry),
+        EngineOptions {
+            node_id: config.node.id.clone(),
+            limits: config.limits.clone(),
+            threads_per_model: config.runtime.threads_per_model,
+            ..Default::default()
+        },
+    ));
+    let models: Vec<String> =
+        engine.registry().active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
+    tracing::info!("node {}: serving {} over {}", config.node.id, models.join(", "), config.mqtt.url);
+    let status = Status::new(&config.node.id, engine.registry(), unix_now());
+    let (service, _ready) = MqttService::new(engine, &config, status)?;
+    service.run(shutdown_signal()).await;
+    tracing::info!("stopped");
+    Ok(0)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
 }
 

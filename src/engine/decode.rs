@@ -14,15 +14,23 @@ pub fn decode(payload: &[u8], encoding: Encoding, limits: &LimitsConfig) -> Resu
     codec::decode_request(payload, encoding)
 }
 
-/// The `id` of a JSON request that failed to decode, so the device can still
-/// match the error reply to what it sent.
-pub fn salvage_id(payload: &[u8], encoding: Encoding) -> String {
-    #[derive(serde::Deserialize)]
-    struct IdOnly {
-        id: String,
-    }
+/// The `id` and `reply_to` of a request, read without the rest: to address
+/// an error reply for a request that failed to decode, and to drop a request
+/// with nowhere to reply before doing any work for it.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct Peek {
+    #[serde(default)]
+    pub id: String,
+    #[serde(default)]
+    pub reply_to: Option<String>,
+}
+
+pub fn peek(payload: &[u8], encoding: Encoding) -> Peek {
     match encoding {
-        Encoding::Json => serde_json::from_slice::<IdOnly>(payload).map(|r| r.id).unwrap_or_default(),
-        Encoding::Postcard => String::new(),
+        Encoding::Json => serde_json::from_slice::<Peek>(payload).unwrap_or_default(),
+        Encoding::Postcard => match codec::decode_request(payload, encoding) {
+            Ok(req) => Peek { id: req.id, reply_to: req.reply_to },
+            Err(_) => Peek::default(),
+        },
     }
 }

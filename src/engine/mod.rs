@@ -9,7 +9,7 @@ mod reply;
 mod route;
 mod run;
 
-pub use decode::decode;
+pub use decode::{Peek, decode, peek};
 pub use reply::encode;
 pub use run::Runner;
 
@@ -48,12 +48,23 @@ pub struct Target<'a> {
     /// A version named by the transport (`/v2/models/M/versions/V/infer`);
     /// otherwise `parameters.model_version`, otherwise the active version.
     pub version: Option<&'a str>,
+    /// A deadline the transport imposes (MQTT 5 Message Expiry), on top of
+    /// `parameters.deadline_ms`; the earlier one wins.
+    pub deadline: Option<Duration>,
+}
+
+impl<'a> Target<'a> {
+    pub fn model(model: &'a str) -> Self {
+        Target { model, version: None, deadline: None }
+    }
 }
 
 /// The reply to one request and what a transport logs or counts about it.
 #[derive(Debug)]
 pub struct Handled {
     pub id: String,
+    /// The payload's `reply_to` (MQTT 3.1.1 replies go there).
+    pub reply_to: Option<String>,
     pub outcome: Result<(), ErrorCode>,
     pub reply: Vec<u8>,
 }
@@ -88,15 +99,26 @@ impl Engine {
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, target: Target<'_>, payload: &[u8], encoding: Encoding) -> Handled {
         let request = decode(payload, encoding, &self.options.limits);
-        let (id, result) = match request {
-            Ok(req) => {
-                let id = req.id.clone();
-                (id, self.infer(target, req).await)
+        let (id, reply_to, result) = match request {
+            Ok(req) => (req.id.clone(), req.reply_to.clone(), self.infer(target, req).await),
+            Err(e) => {
+                let peek = decode::peek(payload, encoding);
+                (peek.id, peek.reply_to, Err(e))
             }
-            Err(e) => (decode::salvage_id(payload, encoding), Err(e)),
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
-        Handled { reply: encode(&id, result, encoding), id, outcome }
+        Handled { reply: encode(&id, result, encoding), id, reply_to, outcome }
+    }
+
+    /// An error reply without running the pipeline (a transport refusing work).
+    pub fn reject(&self, payload: &[u8], encoding: Encoding, error: InferError) -> Handled {
+        let peek = decode::peek(payload, encoding);
+        Handled {
+            outcome: Err(error.code),
+            reply: encode(&peek.id, Err(error), encoding),
+            id: peek.id,
+            reply_to: peek.reply_to,
+        }
     }
 
     /// One decoded request through route, preprocess, run and postprocess,
@@ -109,17 +131,26 @@ impl Engine {
             self.runners.get(&(model.name().to_string(), model.version().to_string())).ok_or_else(|| {
                 InferError::internal(format!("model {} has no inference threads", model.name()))
             })?;
-        let outputs = match req.parameters.deadline_ms {
-            Some(ms) if start.elapsed() >= Duration::from_millis(ms) => {
+        let deadline = match (req.parameters.deadline_ms.map(Duration::from_millis), target.deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let what = || match req.parameters.deadline_ms {
+            Some(ms) => format!("parameters.deadline_ms = {ms}"),
+            None => "the message expiry interval".to_string(),
+        };
+        let outputs = match deadline {
+            Some(d) if start.elapsed() >= d => {
                 return Err(InferError::deadline_exceeded(format!(
-                    "parameters.deadline_ms = {ms} passed before the model could run; allow more time"
+                    "{} passed before the model could run; allow more time",
+                    what()
                 )));
             }
-            Some(ms) => {
-                let left = Duration::from_millis(ms).saturating_sub(start.elapsed());
-                tokio::time::timeout(left, runner.run(prepared)).await.map_err(|_| {
+            Some(d) => {
+                tokio::time::timeout(d - start.elapsed(), runner.run(prepared)).await.map_err(|_| {
                     InferError::deadline_exceeded(format!(
-                        "parameters.deadline_ms = {ms}: no answer in time; allow more time or send fewer rows"
+                        "{}: no answer in time; allow more time or send fewer rows",
+                        what()
                     ))
                 })??
             }

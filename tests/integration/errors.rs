@@ -20,7 +20,7 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 fn handle(engine: &Engine, model: &str, payload: &[u8]) -> (Handled, Value) {
-    let handled = rt().block_on(engine.handle(Target { model, version: None }, payload, Encoding::Json));
+    let handled = rt().block_on(engine.handle(Target::model(model), payload, Encoding::Json));
     let reply: Value = serde_json::from_slice(&handled.reply).unwrap();
     (handled, reply)
 }
@@ -186,8 +186,7 @@ fn overloaded_when_the_queue_is_full_and_no_request_is_lost() {
     let payload = good_payload();
     let rt = rt();
     let results = rt.block_on(async {
-        let futures = (0..64)
-            .map(|_| e.handle(Target { model: "digits-large", version: None }, &payload, Encoding::Json));
+        let futures = (0..64).map(|_| e.handle(Target::model("digits-large"), &payload, Encoding::Json));
         futures_join_all(futures).await
     });
     let overloaded = results.iter().filter(|h| h.outcome == Err(ErrorCode::Overloaded)).count();
@@ -232,7 +231,7 @@ fn postcard_round_trip_and_undecodable_postcard() {
     wire.top_k = Some(2);
     let bytes = postcard::to_stdvec(&wire).unwrap();
     let rt = rt();
-    let target = Target { model: "digits", version: None };
+    let target = Target::model("digits");
     let handled = rt.block_on(e.handle(target, &bytes, Encoding::Postcard));
     assert_eq!(handled.outcome, Ok(()));
     match postcard::from_bytes::<WireReply>(&handled.reply).unwrap() {

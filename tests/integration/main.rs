@@ -3,6 +3,7 @@
 mod cli;
 mod errors;
 mod models;
+mod mqtt;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,65 @@
+//! What a node tells its fleet: the retained status message.
+
+use crate::model::Registry;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    Online,
+    Draining,
+    Offline,
+}
+
+/// The retained `PREFIX/NODE/status` JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    pub state: State,
+    pub node: String,
+    pub version: &'static str,
+    /// Unix seconds when the process started.
+    pub started_at: u64,
+    pub models: Vec<ModelStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelStatus {
+    pub name: String,
+    pub version: String,
+    pub sha256: String,
+    pub quantization: &'static str,
+    pub active: bool,
+}
+
+impl Status {
+    pub fn new(node: &str, registry: &Registry, started_at: u64) -> Status {
+        let active: Vec<_> =
+            registry.active().map(|m| (m.name().to_string(), m.version().to_string())).collect();
+        Status {
+            state: State::Online,
+            node: node.into(),
+            version: env!("CARGO_PKG_VERSION"),
+            started_at,
+            models: registry
+                .all()
+                .map(|m| ModelStatus {
+                    name: m.name().into(),
+                    version: m.version().into(),
+                    sha256: m.manifest.sha256.clone(),
+                    quantization: m.manifest.quantization.as_str(),
+                    active: active.contains(&(m.name().to_string(), m.version().to_string())),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn with_state(&self, state: State) -> Vec<u8> {
+        let mut s = self.clone();
+        s.state = state;
+        serde_json::to_vec(&s).expect("status serializes")
+    }
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}

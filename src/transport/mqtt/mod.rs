@@ -1,0 +1,309 @@
+//! The MQTT 5 request/response adapter. One task owns the connection (the
+//! rumqttc event loop); each request runs in its own task and is acknowledged
+//! only after its reply has been handed to the client, so a node that dies
+//! mid-request leaves the request with the broker for redelivery.
+
+mod acks;
+mod options;
+mod topics;
+
+pub use options::{BrokerAddress, OptionsError, client_options};
+pub use topics::{Topics, valid_reply_topic};
+
+use crate::engine::{Engine, Target};
+use crate::protocol::{Encoding, InferError};
+use crate::telemetry::{State, Status};
+use acks::{AckQueue, Ticket};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, SubscribeReasonCode};
+use rumqttc::v5::{AsyncClient, Event, EventLoop, Request};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{Semaphore, watch};
+
+/// What the service exposes to the rest of the node (readiness, counters).
+#[derive(Debug, Default)]
+pub struct MqttState {
+    /// Connected, with our subscriptions in place.
+    pub ready: AtomicBool,
+    pub reconnects: AtomicU64,
+    /// Requests dropped because they named no reply topic (or an invalid one).
+    pub no_reply_topic: AtomicU64,
+    pub requests: AtomicU64,
+}
+
+pub struct MqttService {
+    engine: Arc<Engine>,
+    topics: Topics,
+    status: Status,
+    max_in_flight: usize,
+    options: rumqttc::v5::MqttOptions,
+    pub state: Arc<MqttState>,
+    /// Tells the caller each time the subscriptions are confirmed.
+    ready_tx: watch::Sender<bool>,
+}
+
+impl MqttService {
+    pub fn new(
+        engine: Arc<Engine>,
+        config: &crate::config::Config,
+        status: Status,
+    ) -> Result<(MqttService, watch::Receiver<bool>), OptionsError> {
+        let mqtt = &config.mqtt;
+        let topics = Topics::new(&mqtt.topic_prefix, &config.node.id, &mqtt.share_group);
+        let client_id = mqtt.client_id.clone().unwrap_or_else(|| format!("edgeinfer-{}", config.node.id));
+        // Room above the payload limit for topic and properties, so an
+        // oversized request still reaches the engine and gets `too_large`.
+        let max_packet = (config.limits.max_payload_bytes + 64 * 1024) as u32;
+        let in_flight = mqtt.max_in_flight.min(u16::MAX as usize) as u16;
+        let mut options = client_options(mqtt, &client_id, max_packet, in_flight)?;
+        options.set_last_will(LastWill::new(
+            topics.status(),
+            status.with_state(State::Offline),
+            QoS::AtLeastOnce,
+            true,
+            None,
+        ));
+        let (ready_tx, ready_rx) = watch::channel(false);
+        Ok((
+            MqttService {
+                engine,
+                topics,
+                status,
+                max_in_flight: mqtt.max_in_flight,
+                options,
+                state: Arc::default(),
+                ready_tx,
+            },
+            ready_rx,
+        ))
+    }
+
+    /// Serves until `shutdown` resolves, then publishes `offline` and
+    /// disconnects. Connection errors never end it: it reconnects with
+    /// exponential backoff and jitter.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 4096);
+        let permits = Arc::new(Semaphore::new(self.max_in_flight));
+        let mut acks = AckQueue::start(client.clone());
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        // Replies rumqttc had not seen acknowledged when the connection broke;
+        // it drops them if the broker lost our session, so we send them again.
+        let mut unacked_replies: Vec<Publish> = Vec::new();
+        tokio::pin!(shutdown);
+        loop {
+            let event = tokio::select! {
+                _ = &mut shutdown => break,
+                event = eventloop.poll() => event,
+            };
+            match event {
+                Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                    backoff.reset();
+                    if !ack.session_present {
+                        self.subscribe(&client).await;
+                        for reply in unacked_replies.drain(..) {
+                            let topic = String::from_utf8_lossy(&reply.topic).into_owned();
+                            let props = reply.properties.clone().unwrap_or_default();
+                            let _ = client
+                                .publish_with_properties(topic, QoS::AtLeastOnce, false, reply.payload, props)
+                                .await;
+                        }
+                    } else {
+                        // The session resumed and rumqttc resends them itself.
+                        unacked_replies.clear();
+                    }
+                    let _ = client
+                        .publish(
+                            self.topics.status(),
+                            QoS::AtLeastOnce,
+                            true,
+                            self.status.with_state(State::Online),
+                        )
+                        .await;
+                    self.state.ready.store(true, Ordering::SeqCst);
+                    let _ = self.ready_tx.send(true);
+                    tracing::info!(
+                        "MQTT connected (session {}); serving {} and {}",
+                        if ack.session_present { "resumed" } else { "new" },
+                        self.topics.node_requests(),
+                        self.topics.shared_requests()
+                    );
+                }
+                Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                    if ack.return_codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
+                        tracing::error!("the broker refused a subscription: {:?}", ack.return_codes);
+                    }
+                }
+                Ok(Event::Incoming(Packet::Publish(publish))) => {
+                    self.state.requests.fetch_add(1, Ordering::Relaxed);
+                    let permit = permits.clone().try_acquire_owned().ok();
+                    let ticket = acks.arrived(&publish);
+                    let task = RequestTask {
+                        engine: self.engine.clone(),
+                        client: client.clone(),
+                        topics: self.topics.clone(),
+                        state: self.state.clone(),
+                    };
+                    tokio::spawn(async move {
+                        task.handle(publish, permit.is_some(), ticket).await;
+                        drop(permit);
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    if self.state.ready.swap(false, Ordering::SeqCst) {
+                        let _ = self.ready_tx.send(false);
+                    }
+                    self.state.reconnects.fetch_add(1, Ordering::Relaxed);
+                    save_unacked(&eventloop, &mut unacked_replies);
+                    let wait = backoff.next();
+                    tracing::warn!("MQTT connection: {e}; reconnecting in {} ms", wait.as_millis());
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+        self.state.ready.store(false, Ordering::SeqCst);
+        let _ = self.ready_tx.send(false);
+        let _ = client
+            .publish(self.topics.status(), QoS::AtLeastOnce, true, self.status.with_state(State::Offline))
+            .await;
+        let _ = client.disconnect().await;
+        // Flush the offline status and the DISCONNECT.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Outgoing(rumqttc::Outgoing::Disconnect)) | Err(_) => break,
+                    _ => {}
+                }
+            }
+        })
+        .await;
+    }
+
+    async fn subscribe(&self, client: &AsyncClient) {
+        for filter in [self.topics.node_requests(), self.topics.shared_requests()] {
+            if let Err(e) = client.subscribe(filter.clone(), QoS::AtLeastOnce).await {
+                tracing::error!("subscribing to {filter}: {e}");
+            }
+        }
+    }
+}
+
+fn save_unacked(eventloop: &EventLoop, saved: &mut Vec<Publish>) {
+    for request in &eventloop.pending {
+        if let Request::Publish(p) = request
+            && p.qos != QoS::AtMostOnce
+            && !saved.iter().any(|s| s.topic == p.topic && s.payload == p.payload)
+        {
+            let mut p = p.clone();
+            p.dup = false;
+            saved.push(p);
+        }
+    }
+}
+
+struct RequestTask {
+    engine: Arc<Engine>,
+    client: AsyncClient,
+    topics: Topics,
+    state: Arc<MqttState>,
+}
+
+impl RequestTask {
+    /// Answers one request; dropping `ticket` at the end lets its
+    /// acknowledgement go out, after the reply was handed to the client.
+    async fn handle(self, publish: Publish, admitted: bool, ticket: Ticket) {
+        let topic = String::from_utf8_lossy(&publish.topic).into_owned();
+        let props = publish.properties.clone().unwrap_or_default();
+        let encoding = Encoding::from_content_type(props.content_type.as_deref());
+        let destination = match &props.response_topic {
+            Some(t) => Some(t.clone()),
+            None => crate::engine::peek(&publish.payload, encoding).reply_to,
+        };
+        let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
+            self.state.no_reply_topic.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!("request on {topic} has no valid reply topic; dropped");
+            drop(ticket);
+            return;
+        };
+        let handled = match (admitted, self.topics.model_of(&topic)) {
+            (false, _) => self.engine.reject(
+                &publish.payload,
+                encoding,
+                InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later"),
+            ),
+            (true, Some(model)) => {
+                let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
+                let target = Target { model, version: None, deadline };
+                self.engine.handle(target, &publish.payload, encoding).await
+            }
+            (true, None) => self.engine.reject(
+                &publish.payload,
+                encoding,
+                InferError::unknown_model(format!("topic {topic} does not name a model")),
+            ),
+        };
+        if let Err(code) = handled.outcome {
+            tracing::debug!(id = %handled.id, "request on {topic} answered {code}");
+        }
+        let reply_props = PublishProperties {
+            correlation_data: props.correlation_data.clone(),
+            content_type: props.content_type.clone(),
+            ..Default::default()
+        };
+        if let Err(e) = self
+            .client
+            .publish_with_properties(destination, QoS::AtLeastOnce, false, handled.reply, reply_props)
+            .await
+        {
+            // Only when the client is shutting down; the acknowledgement task
+            // is gone too, so the broker keeps the request for redelivery.
+            tracing::warn!(id = %handled.id, "reply not handed to the client: {e}");
+        }
+        drop(ticket);
+    }
+}
+
+/// Exponential backoff with full jitter, so a fleet does not reconnect in step.
+struct Backoff {
+    base: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    fn new(base: Duration, max: Duration) -> Backoff {
+        Backoff { base, max, attempt: 0 }
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    fn next(&mut self) -> Duration {
+        let ceiling = self.base.saturating_mul(1 << self.attempt.min(16)).min(self.max);
+        self.attempt += 1;
+        let jitter = fastrand::f64();
+        ceiling.mul_f64(0.5 + 0.5 * jitter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_ceiling_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let first = b.next();
+        assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100), "{first:?}");
+        for _ in 0..20 {
+            assert!(b.next() <= Duration::from_secs(5));
+        }
+        assert!(b.next() >= Duration::from_millis(2500));
+        b.reset();
+        assert!(b.next() <= Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,178 @@
+//! From `[mqtt]` config to rumqttc options: address, TLS, credentials and the
+//! session settings that let the broker hold requests while the node is away.
+
+use crate::config::MqttConfig;
+use rumqttc::v5::MqttOptions;
+use rumqttc::{NetworkOptions, TlsConfiguration, Transport};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OptionsError {
+    #[error("mqtt.url {url:?}: {why}; use mqtt://HOST:PORT or mqtts://HOST:PORT")]
+    Url { url: String, why: String },
+    #[error("{key} = {path}: cannot read: {source}")]
+    File { key: &'static str, path: PathBuf, source: std::io::Error },
+    #[error("{key} = {path}: {why}")]
+    Pem { key: &'static str, path: PathBuf, why: String },
+    #[error("TLS setup: {0}")]
+    Tls(String),
+}
+
+/// Where the broker is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddress {
+    pub host: String,
+    pub port: u16,
+    pub tls: bool,
+}
+
+impl BrokerAddress {
+    pub fn parse(url: &str) -> Result<BrokerAddress, OptionsError> {
+        let err = |why: &str| OptionsError::Url { url: url.into(), why: why.into() };
+        let (tls, rest) = if let Some(rest) = url.strip_prefix("mqtts://") {
+            (true, rest)
+        } else if let Some(rest) = url.strip_prefix("mqtt://") {
+            (false, rest)
+        } else {
+            return Err(err("unknown scheme"));
+        };
+        let rest = rest.trim_end_matches('/');
+        let (host, port) = match rest.rsplit_once(':') {
+            Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => {
+                (h, p.parse::<u16>().map_err(|_| err("the port is not a number from 1 to 65535"))?)
+            }
+            _ => (rest, if tls { 8883 } else { 1883 }),
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() || host.contains('/') {
+            return Err(err("no host"));
+        }
+        Ok(BrokerAddress { host: host.to_string(), port, tls })
+    }
+
+    pub fn socket_addr(&self) -> Option<std::net::SocketAddr> {
+        use std::net::ToSocketAddrs;
+        (self.host.as_str(), self.port).to_socket_addrs().ok()?.next()
+    }
+}
+
+/// Builds the client options. `max_packet` is the largest request the node
+/// accepts on the wire (the broker must not send bigger ones).
+pub fn client_options(
+    config: &MqttConfig,
+    client_id: &str,
+    max_packet: u32,
+    max_in_flight: u16,
+) -> Result<MqttOptions, OptionsError> {
+    let address = BrokerAddress::parse(&config.url)?;
+    let mut options = MqttOptions::new(client_id, &address.host, address.port);
+    options
+        .set_clean_start(false)
+        .set_session_expiry_interval(Some(config.session_expiry_s))
+        .set_keep_alive(Duration::from_secs(config.keep_alive_s.max(5) as u64))
+        .set_manual_acks(true)
+        // The broker never has more unacknowledged requests out to us than we
+        // process at once: the bound on the node's memory.
+        .set_receive_maximum(Some(max_in_flight))
+        .set_max_packet_size(Some(max_packet))
+        .set_request_channel_capacity(4096)
+        .set_connection_timeout(10);
+    let mut network = NetworkOptions::new();
+    // Nagle against delayed ACKs costs 44-88 ms per request (shared/PRODUCT.md).
+    network.set_tcp_nodelay(true);
+    options.set_network_options(network);
+    if let Some(user) = &config.username {
+        let password = match (&config.password, &config.password_file) {
+            (_, Some(path)) => std::fs::read_to_string(path)
+                .map_err(|source| OptionsError::File {
+                    key: "mqtt.password_file",
+                    path: path.clone(),
+                    source,
+                })?
+                .trim_end_matches(['\n', '\r'])
+                .to_string(),
+            (Some(secret), None) => secret.0.clone(),
+            (None, None) => String::new(),
+        };
+        options.set_credentials(user, password);
+    }
+    if address.tls {
+        options.set_transport(Transport::Tls(TlsConfiguration::Rustls(Arc::new(tls_config(config)?))));
+    }
+    Ok(options)
+}
+
+fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, OptionsError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    match &config.ca_file {
+        Some(path) => {
+            for cert in read_certs("mqtt.ca_file", path)? {
+                roots.add(cert).map_err(|e| OptionsError::Pem {
+                    key: "mqtt.ca_file",
+                    path: path.clone(),
+                    why: e.to_string(),
+                })?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    if roots.is_empty() {
+        return Err(OptionsError::Tls(
+            "no CA certificates: set mqtt.ca_file to the PEM bundle that signed the broker's certificate"
+                .into(),
+        ));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| OptionsError::Tls(e.to_string()))?
+        .with_root_certificates(roots);
+    let config = match (&config.client_cert_file, &config.client_key_file) {
+        (Some(cert), Some(key)) => {
+            let chain = read_certs("mqtt.client_cert_file", cert)?;
+            let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| OptionsError::Pem {
+                key: "mqtt.client_key_file",
+                path: key.clone(),
+                why: format!("no PEM private key ({e})"),
+            })?;
+            builder.with_client_auth_cert(chain, key_der).map_err(|e| OptionsError::Tls(e.to_string()))?
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, OptionsError> {
+        let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| OptionsError::Pem { key, path: path.into(), why: e.to_string() })?
+            .collect();
+        let certs = certs.map_err(|e| OptionsError::Pem { key, path: path.into(), why: e.to_string() })?;
+        if certs.is_empty() {
+            return Err(OptionsError::Pem { key, path: path.into(), why: "no PEM certificate in it".into() });
+        }
+        Ok(certs)
+    }
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_urls() {
+        let a = BrokerAddress::parse("mqtt://10.0.0.5:1884").unwrap();
+        assert_eq!((a.host.as_str(), a.port, a.tls), ("10.0.0.5", 1884, false));
+        let a = BrokerAddress::parse("mqtts://broker.site").unwrap();
+        assert_eq!((a.host.as_str(), a.port, a.tls), ("broker.site", 8883, true));
+        let a = BrokerAddress::parse("mqtt://[::1]:1883").unwrap();
+        assert_eq!((a.host.as_str(), a.port), ("::1", 1883));
+        assert!(BrokerAddress::parse("mqtt://host:99999").unwrap_err().to_string().contains("port"));
+        assert!(BrokerAddress::parse("http://host").is_err());
+    }
+}

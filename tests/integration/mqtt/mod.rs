@@ -1,0 +1,15 @@
+//! `edgeinfer serve` against real brokers: the embedded one always, mosquitto
+//! where installed.
+
+mod embedded;
+mod mosquitto;
+mod support;
+
+use crate::{digits_request, heldout};
+
+/// A JSON request for held-out row `i`, and the label it should get.
+pub fn labelled_request(id: &str, i: usize) -> (Vec<u8>, String) {
+    let split = heldout();
+    let (label, px) = &split[i % split.len()];
+    (digits_request(id, std::slice::from_ref(px)).to_string().into_bytes(), label.to_string())
+}

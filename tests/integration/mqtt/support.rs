@@ -1,0 +1,255 @@
+//! Real brokers, the real binary and MQTT clients for the service tests.
+
+use crate::models_dir;
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
+use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// A port with its successor free too (the embedded broker's 3.1.1 listener).
+pub fn free_port_pair() -> u16 {
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if port < 65000 && TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn wait_listening(port: u16) {
+    let start = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "nothing listens on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A mosquitto broker on a free port, stopped on drop. `None` (with a clear
+/// message) where mosquitto is not installed; CI installs it.
+pub struct Mosquitto {
+    child: Child,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Mosquitto {
+    pub fn start() -> Option<Mosquitto> {
+        Self::start_on(free_port_pair())
+    }
+
+    pub fn start_on(port: u16) -> Option<Mosquitto> {
+        let binary = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists());
+        let Some(binary) = binary else {
+            eprintln!("SKIPPED: mosquitto is not installed (apt-get install mosquitto mosquitto-clients)");
+            return None;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("mosquitto.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\n\
+                 max_queued_messages 10000\nmax_inflight_messages 0\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new(binary)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_listening(port);
+        Some(Mosquitto { child, port, _dir: dir })
+    }
+
+    pub fn url(&self) -> String {
+        format!("mqtt://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Mosquitto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `edgeinfer serve`, the real binary, stopped (SIGKILL) on drop.
+pub struct Node {
+    child: Child,
+    pub id: String,
+    lines: std_mpsc::Receiver<String>,
+}
+
+impl Node {
+    /// Starts a node and waits until its subscriptions are in place.
+    pub fn start(url: &str, id: &str, env: &[(&str, &str)]) -> Node {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_edgeinfer"));
+        cmd.arg("serve")
+            .arg("--models-dir")
+            .arg(models_dir())
+            .arg("--log")
+            .arg("info,rumqttd=warn")
+            .env_remove("EDGEINFER_CONFIG")
+            .env("EDGEINFER_MQTT__URL", url)
+            .env("EDGEINFER_NODE__ID", id)
+            .env("EDGEINFER_HTTP__LISTEN", "")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std_mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[node] {line}");
+                let _ = tx.send(line);
+            }
+        });
+        let node = Node { child, id: id.into(), lines };
+        node.wait_for_line("MQTT connected", Duration::from_secs(30));
+        node
+    }
+
+    pub fn wait_for_line(&self, needle: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return,
+                Ok(_) => {}
+                Err(_) => panic!("node {} did not log {needle:?} within {timeout:?}", self.id),
+            }
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// An MQTT 5 client that sends requests and collects what arrives on the
+/// topics it subscribed to.
+pub struct Client {
+    pub client: AsyncClient,
+    pub inbox: mpsc::UnboundedReceiver<Publish>,
+}
+
+impl Client {
+    pub async fn connect(port: u16, id: &str, subscriptions: &[&str]) -> Client {
+        let mut options = MqttOptions::new(id, "127.0.0.1", port);
+        options.set_keep_alive(Duration::from_secs(30)).set_max_packet_size(Some(4 * 1024 * 1024));
+        let mut net = rumqttc::NetworkOptions::new();
+        net.set_tcp_nodelay(true);
+        options.set_network_options(net);
+        let (client, mut eventloop) = AsyncClient::new(options, 4096);
+        let (tx, inbox) = mpsc::unbounded_channel();
+        let (subscribed_tx, mut subscribed) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                match eventloop.poll().await {
+                    Ok(Event::Incoming(Packet::Publish(p))) => {
+                        let _ = tx.send(p);
+                    }
+                    Ok(Event::Incoming(Packet::SubAck(_))) => {
+                        let _ = subscribed_tx.send(());
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        });
+        for topic in subscriptions {
+            client.subscribe(*topic, QoS::AtLeastOnce).await.unwrap();
+            tokio::time::timeout(Duration::from_secs(10), subscribed.recv()).await.expect("SUBACK").unwrap();
+        }
+        Client { client, inbox }
+    }
+
+    pub async fn request(
+        &self,
+        topic: &str,
+        payload: Vec<u8>,
+        reply_to: &str,
+        correlation: &[u8],
+        content_type: Option<&str>,
+    ) {
+        let props = PublishProperties {
+            response_topic: Some(reply_to.into()),
+            correlation_data: Some(Bytes::copy_from_slice(correlation)),
+            content_type: content_type.map(Into::into),
+            ..Default::default()
+        };
+        self.client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props).await.unwrap();
+    }
+
+    pub async fn next(&mut self, timeout: Duration) -> Option<Publish> {
+        tokio::time::timeout(timeout, self.inbox.recv()).await.ok().flatten()
+    }
+
+    /// The next message, as JSON.
+    pub async fn next_json(&mut self) -> (Publish, serde_json::Value) {
+        let p = self.next(Duration::from_secs(20)).await.expect("a reply within 20 s");
+        let v = serde_json::from_slice(&p.payload)
+            .unwrap_or_else(|e| panic!("reply is not JSON ({e}): {:?}", p.payload));
+        (p, v)
+    }
+}
+
+/// An MQTT 3.1.1 client (no properties: replies go to the payload's reply_to).
+pub struct Client311 {
+    pub client: rumqttc::AsyncClient,
+    pub inbox: mpsc::UnboundedReceiver<rumqttc::Publish>,
+}
+
+impl Client311 {
+    pub async fn connect(port: u16, id: &str, subscription: &str) -> Client311 {
+        let mut options = rumqttc::MqttOptions::new(id, "127.0.0.1", port);
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, mut eventloop) = rumqttc::AsyncClient::new(options, 64);
+        let (tx, inbox) = mpsc::unbounded_channel();
+        let (subscribed_tx, mut subscribed) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                match eventloop.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::Publish(p))) => {
+                        let _ = tx.send(p);
+                    }
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::SubAck(_))) => {
+                        let _ = subscribed_tx.send(());
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        });
+        client.subscribe(subscription, rumqttc::QoS::AtLeastOnce).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(10), subscribed.recv()).await.expect("SUBACK").unwrap();
+        Client311 { client, inbox }
+    }
+}
