@@ -185,6 +185,8 @@ impl Default for ModelConfig {
 }
 
 const ENV_PREFIX: &str = "EDGEINFER_";
+/// Variables of the command line itself (`--config`, `--log`), not config keys.
+const CLI_VARS: [&str; 2] = ["EDGEINFER_CONFIG", "EDGEINFER_LOG"];
 
 impl Config {
     /// The file (if any) with the process environment's overrides on top.
@@ -205,8 +207,10 @@ impl Config {
             }
             None => toml::Table::new(),
         };
-        let mut overrides: Vec<(String, String)> =
-            env.into_iter().filter(|(k, _)| k.starts_with(ENV_PREFIX)).collect();
+        let mut overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !CLI_VARS.contains(&k.as_str()))
+            .collect();
         overrides.sort();
         for (var, value) in overrides {
             apply_override(&mut table, &var, &value)?;

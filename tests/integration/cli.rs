@@ -111,6 +111,7 @@ fn config_mistakes_name_the_key_the_value_and_what_is_allowed() {
 fn help_and_version() {
     for args in [
         &["--help"][..],
+        &["serve", "--help"],
         &["infer", "--help"],
         &["models", "--help"],
         &["models", "verify", "--help"],

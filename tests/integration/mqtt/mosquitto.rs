@@ -38,21 +38,23 @@ async fn round_trips_for_mqtt5_and_311_and_the_readme_mosquitto_rr_example() {
     let body: Value = serde_json::from_slice(&reply.payload).unwrap();
     assert_eq!(body["id"], "m1-311");
 
-    // The README's example, as written (with the port of this broker).
+    // The README's mosquitto_rr example, as written, against a node with the
+    // default id (the host name), on this broker's port.
     if std::path::Path::new("/usr/bin/mosquitto_rr").exists() {
-        let request = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/docs/examples/digits-request.json"
-        ))
-        .unwrap();
-        let out = std::process::Command::new("mosquitto_rr")
-            .args(["-h", "127.0.0.1", "-p", &broker.port.to_string(), "-t", "edgeinfer/gw-m1/infer/digits"])
-            .args(["-e", "devices/cam-3/replies", "-m", request.trim(), "-W", "10"])
+        let _default = Node::start(&broker.url(), "", &[]);
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        let start = readme.find("mosquitto_rr -h").expect("README has a mosquitto_rr example");
+        let end = start + readme[start..].find("\n```").unwrap();
+        let command =
+            readme[start..end].replace("\\\n", " ").replace("-p 1883", &format!("-p {}", broker.port));
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&command)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
             .output()
             .unwrap();
-        let body: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!("mosquitto_rr printed {:?}: {e}", String::from_utf8_lossy(&out.stdout))
-        });
+        let body: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{command}\nprinted {:?}: {e}", String::from_utf8_lossy(&out.stdout)));
         assert_eq!(body["id"], "req-17");
         assert_eq!(body["parameters"]["label"], "7");
     } else {
@@ -153,4 +155,116 @@ async fn sigterm_publishes_offline_and_exits_0() {
     assert!(code.success(), "exit {code:?}");
     let (_, s) = status.next_json().await;
     assert_eq!(s["state"], "offline");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtts_with_client_certificate_and_password_keeps_the_secret_out_of_logs() {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    };
+    // Distinct subjects: OpenSSL takes a certificate whose subject equals its
+    // issuer's for self-signed.
+    let params = |sans: Vec<String>, cn: &str| {
+        let mut p = CertificateParams::new(sans).unwrap();
+        p.distinguished_name.push(DnType::CommonName, cn);
+        p
+    };
+    if !std::path::Path::new("/usr/bin/mosquitto_passwd").exists() {
+        eprintln!("SKIPPED: mosquitto_passwd is not installed");
+        return;
+    }
+    let mut ca_params = params(vec![], "edgeinfer test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server =
+        params(vec!["127.0.0.1".into(), "localhost".into()], "broker").signed_by(&server_key, &ca).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client = params(vec!["gw-tls".into()], "gw-tls").signed_by(&client_key, &ca).unwrap();
+    let secret = "s3cret-pa55-for-tls-test";
+    let tls_port = super::support::free_port_pair();
+    let files = tempfile::tempdir().unwrap();
+    let path = |name: &str| files.path().join(name).to_str().unwrap().to_string();
+    for (name, body) in [
+        ("ca.pem", ca.pem()),
+        ("server.pem", server.pem()),
+        ("server.key", server_key.serialize_pem()),
+        ("client.pem", client.pem()),
+        ("client.key", client_key.serialize_pem()),
+    ] {
+        std::fs::write(path(name), body).unwrap();
+    }
+    let status = std::process::Command::new("mosquitto_passwd")
+        .args(["-c", "-b", &path("passwd"), "gw-tls", secret])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let extra = format!(
+        "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\nrequire_certificate true\n\
+         allow_anonymous false\npassword_file {}\n",
+        path("ca.pem"),
+        path("server.pem"),
+        path("server.key"),
+        path("passwd")
+    );
+    let Some(broker) = Mosquitto::start_with(super::support::free_port_pair(), &extra, |_| {}) else {
+        return;
+    };
+    let ca_file = path("ca.pem");
+    let cert = path("client.pem");
+    let key = path("client.key");
+    let node = Node::start(
+        &format!("mqtts://127.0.0.1:{tls_port}"),
+        "gw-tls",
+        &[
+            ("EDGEINFER_MQTT__CA_FILE", ca_file.as_str()),
+            ("EDGEINFER_MQTT__CLIENT_CERT_FILE", cert.as_str()),
+            ("EDGEINFER_MQTT__CLIENT_KEY_FILE", key.as_str()),
+            ("EDGEINFER_MQTT__USERNAME", "gw-tls"),
+            ("EDGEINFER_MQTT__PASSWORD", secret),
+            ("EDGEINFER_LOG", "debug,rumqttd=warn"),
+        ],
+    );
+    let mut c =
+        Client::connect(broker.port, "dev-tls", &["devices/tls/replies", "edgeinfer/gw-tls/status"]).await;
+    let (_, s) = c.next_json().await;
+    assert_eq!(s["state"], "online");
+    assert!(!s.to_string().contains(secret));
+    let (payload, label) = labelled_request("tls-1", 8);
+    c.request("edgeinfer/gw-tls/infer/digits", payload, "devices/tls/replies", b"t", None).await;
+    let (_, body) = c.next_json().await;
+    assert_eq!(body["parameters"]["label"], label);
+    let log = node.log.lock().unwrap().join("\n");
+    assert!(!log.contains(secret), "the password appears in the node's log");
+}
+
+/// Prints the round trip at low load (one request in flight) on mosquitto
+/// with TCP_NODELAY everywhere; the figures go to docs/BENCHMARKS.md. Run
+/// against a release node with
+/// `EDGEINFER_TEST_BIN=target/release/edgeinfer cargo test --test integration low_load -- --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn low_load_round_trip_through_mosquitto() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let _node = Node::start(&broker.url(), "gw-lat", &[]);
+    let mut c = Client::connect(broker.port, "dev-lat", &["devices/lat/replies"]).await;
+    let (payload, label) = labelled_request("lat", 1);
+    let mut times = Vec::new();
+    for i in 0..1100 {
+        let start = Instant::now();
+        c.request("edgeinfer/gw-lat/infer/digits", payload.clone(), "devices/lat/replies", b"l", None).await;
+        let (_, body) = c.next_json().await;
+        if i >= 100 {
+            times.push(start.elapsed());
+        }
+        assert_eq!(body["parameters"]["label"], label);
+    }
+    times.sort();
+    let pct = |p: f64| times[((times.len() as f64 * p) as usize).min(times.len() - 1)].as_secs_f64() * 1e6;
+    eprintln!(
+        "low-load round trip through mosquitto, digits, 1000 requests one at a time: p50 {:.0} us, p99 {:.0} us, max {:.0} us",
+        pct(0.5),
+        pct(0.99),
+        pct(1.0)
+    );
 }

@@ -44,6 +44,12 @@ impl Mosquitto {
     }
 
     pub fn start_on(port: u16) -> Option<Mosquitto> {
+        Self::start_with(port, "", |_| {})
+    }
+
+    /// With `extra` appended to the config (more listeners); `prepare` writes
+    /// files into the config's directory first.
+    pub fn start_with(port: u16, extra: &str, prepare: impl FnOnce(&std::path::Path)) -> Option<Mosquitto> {
         let binary = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
             .into_iter()
             .find(|p| std::path::Path::new(p).exists());
@@ -52,12 +58,14 @@ impl Mosquitto {
             return None;
         };
         let dir = tempfile::tempdir().unwrap();
+        prepare(dir.path());
         let conf = dir.path().join("mosquitto.conf");
         std::fs::write(
             &conf,
             format!(
-                "listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\npersistence false\n\
-                 max_queued_messages 10000\nmax_inflight_messages 0\n"
+                "per_listener_settings true\nset_tcp_nodelay true\npersistence false\n\
+                 max_queued_messages 10000\nmax_inflight_messages 0\n\
+                 listener {port} 127.0.0.1\nallow_anonymous true\n{extra}"
             ),
         )
         .unwrap();
@@ -89,37 +97,55 @@ pub struct Node {
     child: Child,
     pub id: String,
     lines: std_mpsc::Receiver<String>,
+    /// Everything the node logged so far.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Node {
     /// Starts a node and waits until its subscriptions are in place.
     pub fn start(url: &str, id: &str, env: &[(&str, &str)]) -> Node {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_edgeinfer"));
+        // EDGEINFER_TEST_BIN points the tests at another build (a release one,
+        // to measure latency).
+        let bin =
+            std::env::var("EDGEINFER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_edgeinfer").into());
+        let mut cmd = Command::new(bin);
         cmd.arg("serve")
             .arg("--models-dir")
             .arg(models_dir())
             .arg("--log")
-            .arg("info,rumqttd=warn")
+            .arg(
+                env.iter()
+                    .find(|(k, _)| *k == "EDGEINFER_LOG")
+                    .map(|(_, v)| *v)
+                    .unwrap_or("info,rumqttd=warn"),
+            )
             .env_remove("EDGEINFER_CONFIG")
+            .env_remove("EDGEINFER_TEST_BIN")
             .env("EDGEINFER_MQTT__URL", url)
-            .env("EDGEINFER_NODE__ID", id)
             .env("EDGEINFER_HTTP__LISTEN", "")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        // An empty id leaves the default: the host name.
+        if !id.is_empty() {
+            cmd.env("EDGEINFER_NODE__ID", id);
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().unwrap();
         let stderr = child.stderr.take().unwrap();
         let (tx, lines) = std_mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 eprintln!("[node] {line}");
+                sink.lock().unwrap().push(line.clone());
                 let _ = tx.send(line);
             }
         });
-        let node = Node { child, id: id.into(), lines };
+        let node = Node { child, id: id.into(), lines, log };
         node.wait_for_line("MQTT connected", Duration::from_secs(30));
         node
     }
