@@ -101,6 +101,15 @@ pub struct RuntimeConfig {
     pub batch_sizes: Vec<usize>,
     /// Inference threads per model (tract runs each batch on one thread).
     pub threads_per_model: usize,
+    /// Requests waiting for a model's threads; beyond it they get `overloaded`.
+    pub queue_capacity: usize,
+    /// Most rows in one micro-batch (1 turns batching off).
+    pub max_batch: usize,
+    /// Longest a batch window stays open, in microseconds.
+    pub max_delay_us: u64,
+    /// Adaptive batching (AIMD on the batch limit) keeps batch latency inside
+    /// this budget; unset: off, batches grow to max_batch.
+    pub latency_budget_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -119,6 +128,10 @@ pub struct ModelConfig {
     pub cloud_model: Option<String>,
     /// Escalate to the cloud tier when confidence is below this.
     pub threshold: f32,
+    /// Batching for this model; unset keys take the `[runtime]` ones.
+    pub max_batch: Option<usize>,
+    pub max_delay_us: Option<u64>,
+    pub latency_budget_ms: Option<f64>,
 }
 
 impl Default for NodeConfig {
@@ -168,7 +181,14 @@ impl Default for HttpConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { batch_sizes: vec![1, 2, 4, 8, 16, 32], threads_per_model: 1 }
+        RuntimeConfig {
+            batch_sizes: vec![1, 2, 4, 8, 16, 32],
+            threads_per_model: 1,
+            queue_capacity: 1024,
+            max_batch: 32,
+            max_delay_us: 2000,
+            latency_budget_ms: None,
+        }
     }
 }
 
@@ -180,7 +200,13 @@ impl Default for LimitsConfig {
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        ModelConfig { cloud_model: None, threshold: 0.8 }
+        ModelConfig {
+            cloud_model: None,
+            threshold: 0.8,
+            max_batch: None,
+            max_delay_us: None,
+            latency_budget_ms: None,
+        }
     }
 }
 
@@ -220,6 +246,22 @@ impl Config {
         })?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The batching policy of `model`: its `[models.NAME]` keys over `[runtime]`.
+    pub fn batch_policy(&self, model: &str) -> crate::engine::BatchPolicy {
+        let m = self.models.get(model);
+        let rt = &self.runtime;
+        crate::engine::BatchPolicy {
+            max_batch: m.and_then(|m| m.max_batch).unwrap_or(rt.max_batch),
+            max_delay: std::time::Duration::from_micros(
+                m.and_then(|m| m.max_delay_us).unwrap_or(rt.max_delay_us),
+            ),
+            latency_budget: m
+                .and_then(|m| m.latency_budget_ms)
+                .or(rt.latency_budget_ms)
+                .map(|ms| std::time::Duration::from_secs_f64(ms / 1e3)),
+        }
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -299,6 +341,12 @@ impl Config {
                 format!("{}: use 1 to 64", self.runtime.threads_per_model),
             );
         }
+        if !(1..=1_000_000).contains(&self.runtime.queue_capacity) {
+            return bad(
+                "runtime.queue_capacity",
+                format!("{}: use 1 to 1000000", self.runtime.queue_capacity),
+            );
+        }
         if !(64..=64 * 1024 * 1024).contains(&self.limits.max_payload_bytes) {
             return bad(
                 "limits.max_payload_bytes",
@@ -308,7 +356,39 @@ impl Config {
         if self.limits.max_rows == 0 {
             return bad("limits.max_rows", "0: use at least 1".into());
         }
+        let batching = |key: &str,
+                        max_batch: usize,
+                        delay: u64,
+                        budget: Option<f64>|
+         -> Result<(), ConfigError> {
+            if !(1..=4096).contains(&max_batch) {
+                return bad(&format!("{key}.max_batch"), format!("{max_batch}: use 1 (no batching) to 4096"));
+            }
+            if delay > 1_000_000 {
+                return bad(
+                    &format!("{key}.max_delay_us"),
+                    format!("{delay}: use 0 to 1000000 (one second)"),
+                );
+            }
+            if let Some(b) = budget
+                && !(b > 0.0 && b <= 60_000.0)
+            {
+                return bad(
+                    &format!("{key}.latency_budget_ms"),
+                    format!("{b}: use a positive number of milliseconds"),
+                );
+            }
+            Ok(())
+        };
+        let rt = &self.runtime;
+        batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms)?;
         for (name, model) in &self.models {
+            batching(
+                &format!("models.{name}"),
+                model.max_batch.unwrap_or(rt.max_batch),
+                model.max_delay_us.unwrap_or(rt.max_delay_us),
+                model.latency_budget_ms.or(rt.latency_budget_ms),
+            )?;
             if !(0.0..=1.0).contains(&model.threshold) {
                 return bad(
                     &format!("models.{name}.threshold"),

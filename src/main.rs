@@ -239,7 +239,9 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
             node_id: config.node.id.clone(),
             limits: config.limits.clone(),
             threads_per_model: config.runtime.threads_per_model,
-            ..Default::default()
+            queue_capacity: config.runtime.queue_capacity,
+            batching: config.batch_policy(""),
+            model_batching: config.models.keys().map(|m| (m.clone(), config.batch_policy(m))).collect(),
         },
     ));
     let models: Vec<String> =

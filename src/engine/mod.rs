@@ -2,6 +2,7 @@
 //! decode -> route -> preprocess -> run -> postprocess -> reply.
 //! Each stage lives in the file named after it.
 
+mod batch;
 mod decode;
 mod postprocess;
 mod preprocess;
@@ -9,6 +10,7 @@ mod reply;
 mod route;
 mod run;
 
+pub use batch::BatchPolicy;
 pub use decode::{Peek, decode, peek};
 pub use reply::encode;
 pub use run::Runner;
@@ -26,8 +28,12 @@ pub struct EngineOptions {
     pub node_id: String,
     pub limits: LimitsConfig,
     pub threads_per_model: usize,
-    /// Jobs waiting for a model's threads before `overloaded`.
+    /// Requests waiting in a model's queue before `overloaded`.
     pub queue_capacity: usize,
+    /// Batching for models without their own policy.
+    pub batching: BatchPolicy,
+    /// Per-model batching, by model name.
+    pub model_batching: HashMap<String, BatchPolicy>,
 }
 
 impl Default for EngineOptions {
@@ -37,6 +43,8 @@ impl Default for EngineOptions {
             limits: LimitsConfig::default(),
             threads_per_model: 1,
             queue_capacity: 1024,
+            batching: BatchPolicy::default(),
+            model_batching: HashMap::new(),
         }
     }
 }
@@ -82,7 +90,8 @@ impl Engine {
             .all()
             .map(|m| {
                 let key = (m.name().to_string(), m.version().to_string());
-                (key, Runner::start(m.clone(), options.threads_per_model, options.queue_capacity))
+                let policy = options.model_batching.get(m.name()).unwrap_or(&options.batching).clone();
+                (key, Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity))
             })
             .collect();
         Engine { registry, runners, options }
@@ -147,14 +156,17 @@ impl Engine {
                 )));
             }
             Some(d) => {
-                tokio::time::timeout(d - start.elapsed(), runner.run(prepared)).await.map_err(|_| {
-                    InferError::deadline_exceeded(format!(
-                        "{}: no answer in time; allow more time or send fewer rows",
-                        what()
-                    ))
-                })??
+                let at = tokio::time::Instant::from_std(start + d);
+                tokio::time::timeout(d - start.elapsed(), runner.run(prepared, Some(at))).await.map_err(
+                    |_| {
+                        InferError::deadline_exceeded(format!(
+                            "{}: no answer in time; allow more time or send fewer rows",
+                            what()
+                        ))
+                    },
+                )??
             }
-            None => runner.run(prepared).await?,
+            None => runner.run(prepared, None).await?,
         };
         postprocess::respond(&model, &req, outputs, &self.options.node_id)
     }

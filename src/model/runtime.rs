@@ -348,3 +348,17 @@ impl LoadedModel {
         Ok(start.elapsed() / (iterations * batch).max(1) as u32)
     }
 }
+
+impl RawOutput {
+    /// Rows `first..first + rows` of this output.
+    pub fn rows(&self, first: usize, rows: usize) -> RawOutput {
+        let row_len: usize = self.shape.iter().skip(1).product();
+        let mut shape = self.shape.clone();
+        shape[0] = rows;
+        RawOutput {
+            name: self.name.clone(),
+            shape,
+            data: self.data.slice(first * row_len..(first + rows) * row_len),
+        }
+    }
+}

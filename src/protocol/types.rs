@@ -298,3 +298,18 @@ impl TensorData {
         Ok(())
     }
 }
+
+impl TensorData {
+    /// Elements `range` as a new tensor of the same type.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> TensorData {
+        match self {
+            TensorData::F32(v) => TensorData::F32(v[range].to_vec()),
+            TensorData::F64(v) => TensorData::F64(v[range].to_vec()),
+            TensorData::Number(v) => TensorData::Number(v[range].to_vec()),
+            TensorData::I8(v) => TensorData::I8(v[range].to_vec()),
+            TensorData::U8(v) => TensorData::U8(v[range].to_vec()),
+            TensorData::I32(v) => TensorData::I32(v[range].to_vec()),
+            TensorData::I64(v) => TensorData::I64(v[range].to_vec()),
+        }
+    }
+}

@@ -259,3 +259,28 @@ async fn a_thousand_concurrent_requests_from_four_clients_are_each_answered_once
         assert!(c.next(Duration::from_millis(300)).await.is_none(), "client {k} got a duplicate reply");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_beyond_the_queue_gets_overloaded_answers_and_nothing_is_lost() {
+    let (_node, port) = embedded_node("gw-e5", &[("EDGEINFER_RUNTIME__QUEUE_CAPACITY", "1")]);
+    let mut c = Client::connect(port, "dev-e5", &["devices/e5/replies"]).await;
+    for i in 0..300 {
+        let id = format!("f-{i}");
+        let (payload, _) = labelled_request(&id, i);
+        c.request("edgeinfer/gw-e5/infer/digits-large", payload, "devices/e5/replies", id.as_bytes(), None)
+            .await;
+    }
+    let mut codes: HashMap<String, usize> = HashMap::new();
+    let mut ids: HashMap<String, usize> = HashMap::new();
+    while ids.len() < 300 {
+        let (_, body) = c.next_json().await;
+        *ids.entry(body["id"].as_str().unwrap().to_string()).or_default() += 1;
+        let code = body["parameters"]["code"].as_str().unwrap_or("ok").to_string();
+        *codes.entry(code).or_default() += 1;
+    }
+    assert!(ids.values().all(|&n| n == 1));
+    assert!(codes.get("overloaded").copied().unwrap_or(0) > 0, "{codes:?}");
+    assert!(codes.get("ok").copied().unwrap_or(0) > 0, "{codes:?}");
+    assert_eq!(codes.keys().filter(|k| *k != "ok" && *k != "overloaded").count(), 0, "{codes:?}");
+    eprintln!("flood of 300 with queue_capacity 1: {codes:?}");
+}
