@@ -75,11 +75,63 @@ enum Command {
         #[arg(long)]
         postcard: bool,
     },
+    /// Load-test a node (or any broker) over MQTT and print round-trip
+    /// percentiles and throughput.
+    ///
+    /// Closed loop by default: every connection keeps --concurrency requests in
+    /// flight. With --rate, open loop: Poisson arrivals at that total rate,
+    /// latency counted from each request's intended send time. With --echo, a
+    /// trivial responder on the same broker answers instead of a node: the
+    /// broker's own floor, measured with the same client.
+    Bench(BenchArgs),
     /// Inspect the models directory.
     Models {
         #[command(subcommand)]
         command: ModelsCommand,
     },
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Broker URL; default: mqtt.url from the config.
+    #[arg(long)]
+    url: Option<String>,
+    /// Model to ask.
+    #[arg(long, short, default_value = "digits")]
+    model: String,
+    /// Node to address (PREFIX/NODE/infer/MODEL); default: node.id from the config.
+    #[arg(long)]
+    node: Option<String>,
+    /// Address the share group (PREFIX/infer/MODEL) instead of one node.
+    #[arg(long, conflicts_with = "node")]
+    shared: bool,
+    /// Request payload file (OIP JSON); default: one 64-pixel digits row.
+    #[arg(long, short, value_name = "FILE")]
+    input: Option<PathBuf>,
+    /// MQTT connections, each with its own reply topic.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Closed loop: requests in flight per connection.
+    #[arg(long, short = 'C', default_value_t = 32)]
+    concurrency: usize,
+    /// Open loop: total requests per second (Poisson arrivals).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seconds measured, after the warm-up.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Seconds of load before measuring.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// QoS of requests and replies (0 or 1).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    qos: u8,
+    /// Run an echo responder on the request topic and measure the broker floor.
+    #[arg(long)]
+    echo: bool,
+    /// Print the report as JSON on standard output.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -125,18 +177,28 @@ fn run(cli: Cli) -> Result<i32> {
     if let Some(dir) = cli.models_dir {
         config.node.models_dir = dir;
     }
-    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone() };
-    let registry = Registry::load(&config.node.models_dir, &runtime)
-        .with_context(|| "loading models (set node.models_dir or --models-dir)")?;
-    for refused in &registry.refused {
-        tracing::error!("refused {}: {}", refused.dir.display(), refused.error);
-    }
+    // Every command but the load generator reads the models directory.
+    let load_models = |config: &Config| -> Result<Registry> {
+        let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone() };
+        let registry = Registry::load(&config.node.models_dir, &runtime)
+            .with_context(|| "loading models (set node.models_dir or --models-dir)")?;
+        for refused in &registry.refused {
+            tracing::error!("refused {}: {}", refused.dir.display(), refused.error);
+        }
+        Ok(registry)
+    };
     match cli.command {
+        Command::Bench(args) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            rt.block_on(bench(&config, args))
+        }
         Command::Serve => {
+            let registry = load_models(&config)?;
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             rt.block_on(serve(config, registry, cli.config.is_some()))
         }
         Command::Infer { model, model_version, input, postcard } => {
+            let registry = load_models(&config)?;
             let payload = read_input(&input)?;
             let engine = Engine::new(
                 Arc::new(registry),
@@ -159,6 +221,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(if handled.outcome.is_ok() { 0 } else { 2 })
         }
         Command::Models { command: ModelsCommand::List } => {
+            let registry = load_models(&config)?;
             println!(
                 "{:<16} {:<8} {:<6} {:<9} {:<10} STATUS",
                 "MODEL", "VERSION", "QUANT", "KERNELS", "SHA256"
@@ -180,6 +243,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Models { command: ModelsCommand::Verify { iterations } } => {
+            let registry = load_models(&config)?;
             for m in registry.all() {
                 let kernels = &m.kernels;
                 println!(
@@ -252,6 +316,48 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
     service.run(shutdown_signal()).await;
     tracing::info!("stopped");
     Ok(0)
+}
+
+async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
+    let prefix = &config.mqtt.topic_prefix;
+    let topic = if args.shared {
+        format!("{prefix}/infer/{}", args.model)
+    } else {
+        format!("{prefix}/{}/infer/{}", args.node.as_deref().unwrap_or(&config.node.id), args.model)
+    };
+    let payload = match &args.input {
+        Some(path) => std::fs::read(path).with_context(|| format!("reading --input {}", path.display()))?,
+        None => {
+            let data: Vec<u32> = (0..64).map(|i| (i * 7) % 17).collect();
+            serde_json::to_vec(&serde_json::json!({
+                "id": "bench",
+                "inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": data}]
+            }))?
+        }
+    };
+    let url = args.url.clone().unwrap_or_else(|| config.mqtt.url.clone());
+    if args.echo {
+        edgeinfer::bench::run_echo(&url, &topic, args.qos == 1).await?;
+    }
+    let options = edgeinfer::bench::BenchOptions {
+        url,
+        topic,
+        payload,
+        connections: args.connections.max(1),
+        concurrency: args.concurrency.max(1),
+        rate: args.rate,
+        duration: std::time::Duration::from_secs_f64(args.duration.max(0.1)),
+        warmup: std::time::Duration::from_secs_f64(args.warmup.max(0.0)),
+        qos1: args.qos == 1,
+        progress: !args.json,
+    };
+    let report = edgeinfer::bench::run(options).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(if report.requests > 0 { 0 } else { 1 })
 }
 
 async fn shutdown_signal() {

@@ -284,3 +284,38 @@ async fn a_flood_beyond_the_queue_gets_overloaded_answers_and_nothing_is_lost() 
     assert_eq!(codes.keys().filter(|k| *k != "ok" && *k != "overloaded").count(), 0, "{codes:?}");
     eprintln!("flood of 300 with queue_capacity 1: {codes:?}");
 }
+
+fn bench(args: &[&str]) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+        .arg("bench")
+        .args(args)
+        .args(["--json", "--duration", "1", "--warmup", "0.2"])
+        .env_remove("EDGEINFER_CONFIG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_measures_a_node_in_closed_and_open_loop() {
+    let (_node, port) = embedded_node("gw-e6", &[]);
+    let url = format!("mqtt://127.0.0.1:{port}");
+    let closed = bench(&["--url", &url, "--node", "gw-e6", "--connections", "2", "-C", "4"]);
+    assert_eq!(closed["mode"], "closed");
+    assert!(closed["requests"].as_u64().unwrap() > 10, "{closed}");
+    assert_eq!(closed["errors"], 0, "{closed}");
+    let l = &closed["latency_us"];
+    assert!(
+        l["p50"].as_u64().unwrap() > 0
+            && l["p50"].as_u64() <= l["p99"].as_u64()
+            && l["p99"].as_u64() <= l["max"].as_u64()
+    );
+    let open = bench(&["--url", &url, "--node", "gw-e6", "--rate", "200"]);
+    assert_eq!(open["mode"], "open");
+    let n = open["requests"].as_u64().unwrap();
+    assert!((100..=320).contains(&n), "about 200 requests in 1 s at 200 req/s: {open}");
+    // A wrong model is counted as errors, not as successes.
+    let wrong = bench(&["--url", &url, "--node", "gw-e6", "--model", "nope", "-C", "2"]);
+    assert_eq!(wrong["errors"], wrong["requests"], "{wrong}");
+}
