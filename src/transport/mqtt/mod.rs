@@ -295,6 +295,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn replies_pending_at_a_disconnect_are_kept_once_for_republishing() {
+        use rumqttc::v5::mqttbytes::v5::PubAck;
+        let options = rumqttc::v5::MqttOptions::new("t", "127.0.0.1", 1);
+        let mut eventloop = EventLoop::new(options, 8);
+        let reply = |topic: &str, body: &'static [u8]| {
+            let mut p = Publish::new(topic, QoS::AtLeastOnce, body, None);
+            p.pkid = 7;
+            p.dup = true;
+            Request::Publish(p)
+        };
+        eventloop.pending.push_back(reply("devices/a/replies", b"one"));
+        eventloop.pending.push_back(Request::PubAck(PubAck::new(3, None)));
+        eventloop.pending.push_back(reply("devices/b/replies", b"two"));
+        eventloop.pending.push_back(Request::Publish(Publish::new("x", QoS::AtMostOnce, "qos0", None)));
+        let mut saved = Vec::new();
+        save_unacked(&eventloop, &mut saved);
+        // A second disconnect before the broker came back saves nothing twice.
+        save_unacked(&eventloop, &mut saved);
+        let topics: Vec<&[u8]> = saved.iter().map(|p| &p.topic[..]).collect();
+        assert_eq!(topics, vec![&b"devices/a/replies"[..], &b"devices/b/replies"[..]]);
+        assert!(saved.iter().all(|p| !p.dup), "republished as new messages");
+    }
+
+    #[test]
     fn backoff_grows_to_its_ceiling_and_resets() {
         let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let first = b.next();
