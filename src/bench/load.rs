@@ -1,14 +1,14 @@
 //! The load itself: one MQTT connection per task, replies matched to their
 //! request by Correlation Data.
 
+use super::client::subscribed;
 use super::report::{Percentiles, Report};
 use super::{BenchError, BenchOptions};
-use crate::transport::mqtt::client_options;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
+use rumqttc::v5::AsyncClient;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
-use rumqttc::v5::{AsyncClient, Event};
+use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,48 +101,10 @@ struct Connection {
 impl Connection {
     async fn open(options: &BenchOptions, k: usize) -> Result<Connection, BenchError> {
         let id = format!("edgeinfer-bench-{}-{k}", std::process::id());
-        let mut config = crate::config::MqttConfig { url: options.url.clone(), ..Default::default() };
-        config.session_expiry_s = 0;
-        let mut mqtt = client_options(&config, &id, 16 << 20, u16::MAX)?;
-        mqtt.set_clean_start(true).set_manual_acks(false);
-        let (client, mut eventloop) = AsyncClient::new(mqtt, 1 << 16);
         let reply_topic = format!("edgeinfer-bench/{id}/replies");
         let qos = if options.qos1 { QoS::AtLeastOnce } else { QoS::AtMostOnce };
-        let connect_error = |message: String| BenchError::Connect { url: options.url.clone(), message };
-        client.subscribe(&reply_topic, qos).await.map_err(|e| connect_error(e.to_string()))?;
-        let (tx, replies) = mpsc::unbounded_channel();
-        let (ready_tx, ready) = tokio::sync::oneshot::channel();
-        // The event loop has a task of its own so the sender never stalls it.
-        tokio::spawn(async move {
-            let mut ready_tx = Some(ready_tx);
-            loop {
-                match eventloop.poll().await {
-                    Ok(Event::Incoming(Packet::SubAck(_))) => {
-                        if let Some(t) = ready_tx.take() {
-                            let _ = t.send(Ok(()));
-                        }
-                    }
-                    Ok(Event::Incoming(Packet::Publish(p))) => {
-                        if tx.send(p).is_err() {
-                            return;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        if let Some(t) = ready_tx.take() {
-                            let _ = t.send(Err(e.to_string()));
-                            return;
-                        }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        });
-        match ready.await {
-            Ok(Ok(())) => Ok(Connection { client, replies, reply_topic }),
-            Ok(Err(m)) => Err(connect_error(m)),
-            Err(_) => Err(connect_error("the connection task stopped".into())),
-        }
+        let (client, replies) = subscribed(&options.url, &id, &reply_topic, qos).await?;
+        Ok(Connection { client, replies, reply_topic })
     }
 
     fn send(&self, options: &BenchOptions, seq: u64) -> bool {

@@ -5,6 +5,7 @@
 //! hide its queueing). `--echo` starts a trivial responder on the same broker
 //! so the broker's own round-trip floor is measured with the same client.
 
+mod client;
 mod echo;
 mod load;
 mod report;
