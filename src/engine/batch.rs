@@ -1,15 +1,22 @@
-//! Stage 4a: micro-batching. One task per model version owns its queue; each
-//! entry carries its own reply channel. A window opens when its first request
+//! Stage 4a: micro-batching. A model version's queue is owned by its inference
+//! threads: an idle one takes the queue, forms the next batch and runs it
+//! itself, so a request crosses one thread boundary each way. Each entry
+//! carries its own reply channel. A window opens when its first request
 //! arrives and closes at the batch limit, at `max_delay`, or earlier when
 //! waiting would make a request miss its deadline. Requests already past
 //! their deadline are answered `deadline_exceeded` without running.
+//!
+//! The window logic (`Window`) takes the time as an argument, so its tests
+//! run on an injected clock; the thread loop waits with `recv_timeout`,
+//! which is precise to tens of microseconds (tokio's timer rounds to 1 ms).
 
 use super::preprocess::Prepared;
 use crate::model::RawOutput;
 use crate::protocol::{InferError, TensorData};
-use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
+use std::sync::Mutex;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
 
 pub type Reply = oneshot::Sender<Result<Vec<RawOutput>, InferError>>;
 
@@ -45,14 +52,6 @@ impl Default for BatchPolicy {
     }
 }
 
-/// What a worker reports after running a batch.
-#[derive(Debug, Clone, Copy)]
-pub struct BatchTiming {
-    /// Window open to last reply sent.
-    pub latency: Duration,
-    pub run: Duration,
-}
-
 /// Additive increase, multiplicative decrease of the batch limit (Clipper):
 /// +1 row while batches finish inside the budget, -10% when one does not.
 #[derive(Debug, Clone)]
@@ -80,84 +79,140 @@ impl Aimd {
     }
 }
 
-/// The batcher: runs until the queue's senders are gone.
-pub async fn run_batcher(
-    mut queue: mpsc::Receiver<Entry>,
-    policy: BatchPolicy,
-    to_workers: mpsc::Sender<Batch>,
-    mut timings: mpsc::UnboundedReceiver<BatchTiming>,
-) {
-    let mut aimd = policy.latency_budget.map(|b| Aimd::new(b, policy.max_batch));
-    // Expected run time of a batch, so a deadline closes the window early
-    // enough to still be met.
-    let mut expected_run = Duration::ZERO;
-    while let Some(first) = queue.recv().await {
-        while let Ok(t) = timings.try_recv() {
-            expected_run = (expected_run * 7 + t.run) / 8;
-            if let Some(aimd) = &mut aimd {
-                aimd.observe(t.latency);
-            }
-        }
-        let limit = aimd.as_ref().map(|a| a.limit()).unwrap_or(policy.max_batch);
-        let opened = Instant::now();
-        let mut batch = Batch { entries: Vec::new(), rows: 0, opened };
-        let mut close_at = opened + policy.max_delay;
-        admit(first, &mut batch, &mut close_at, expected_run);
-        while batch.rows < limit {
-            tokio::select! {
-                biased;
-                entry = queue.recv() => match entry {
-                    Some(entry) => admit(entry, &mut batch, &mut close_at, expected_run),
-                    None => break,
-                },
-                _ = tokio::time::sleep_until(close_at) => break,
-            }
-        }
-        // A request may have expired while the window was open.
-        let now = Instant::now();
-        let (live, expired): (Vec<Entry>, Vec<Entry>) =
-            batch.entries.into_iter().partition(|e| e.deadline.is_none_or(|d| d > now));
-        for entry in expired {
-            let _ = entry.reply.send(Err(expired_error()));
-        }
-        if live.is_empty() {
-            continue;
-        }
-        let rows = live.iter().map(|e| e.prepared.rows).sum();
-        if to_workers.send(Batch { entries: live, rows, opened }).await.is_err() {
-            return;
-        }
-    }
-}
-
-fn admit(entry: Entry, batch: &mut Batch, close_at: &mut Instant, expected_run: Duration) {
-    let now = Instant::now();
-    if entry.reply.is_closed() {
-        return;
-    }
-    if let Some(deadline) = entry.deadline {
-        if deadline <= now {
-            let _ = entry.reply.send(Err(expired_error()));
-            return;
-        }
-        // Close early enough for the batch to run before the deadline.
-        let slack = expected_run + DEADLINE_MARGIN;
-        let latest_start = deadline.checked_sub(slack).unwrap_or(now).max(now);
-        *close_at = (*close_at).min(latest_start);
-    }
-    batch.rows += entry.prepared.rows;
-    batch.entries.push(entry);
-}
-
-/// Headroom before a deadline for handing the batch over and replying; at
-/// least the timer's 1 ms resolution, or a window closing "just before" a
-/// deadline would close just after it.
-const DEADLINE_MARGIN: Duration = Duration::from_millis(1);
+/// Headroom before a deadline for handing the batch over and replying.
+const DEADLINE_MARGIN: Duration = Duration::from_micros(200);
 
 fn expired_error() -> InferError {
     InferError::deadline_exceeded(
         "the request's deadline passed while it waited for the model; allow more time",
     )
+}
+
+/// An open window: the entries admitted so far and when it must close.
+pub struct Window {
+    batch: Batch,
+    close_at: Instant,
+}
+
+impl Window {
+    pub fn open(now: Instant, policy: &BatchPolicy) -> Window {
+        Window {
+            batch: Batch { entries: Vec::new(), rows: 0, opened: now },
+            close_at: now + policy.max_delay,
+        }
+    }
+
+    pub fn close_at(&self) -> Instant {
+        self.close_at
+    }
+
+    pub fn rows(&self) -> usize {
+        self.batch.rows
+    }
+
+    /// Takes `entry` unless its deadline has passed (then it is answered
+    /// `deadline_exceeded`); a deadline closes the window early enough for the
+    /// batch to run in time, `expected_run` being the usual run time.
+    pub fn admit(&mut self, entry: Entry, now: Instant, expected_run: Duration) {
+        if entry.reply.is_closed() {
+            return;
+        }
+        if let Some(deadline) = entry.deadline {
+            if deadline <= now {
+                let _ = entry.reply.send(Err(expired_error()));
+                return;
+            }
+            let latest_start = deadline.checked_sub(expected_run + DEADLINE_MARGIN).unwrap_or(now).max(now);
+            self.close_at = self.close_at.min(latest_start);
+        }
+        self.batch.rows += entry.prepared.rows;
+        self.batch.entries.push(entry);
+    }
+
+    /// The batch to run, without the entries that expired while it was open
+    /// (answered `deadline_exceeded`); `None` when nothing is left.
+    pub fn close(self, now: Instant) -> Option<Batch> {
+        let Batch { entries, opened, .. } = self.batch;
+        let (live, expired): (Vec<Entry>, Vec<Entry>) =
+            entries.into_iter().partition(|e| e.deadline.is_none_or(|d| d > now));
+        for entry in expired {
+            let _ = entry.reply.send(Err(expired_error()));
+        }
+        let rows = live.iter().map(|e| e.prepared.rows).sum();
+        (!live.is_empty()).then_some(Batch { entries: live, rows, opened })
+    }
+}
+
+/// What one inference thread learns from the batches it ran.
+pub struct Pacing {
+    aimd: Option<Aimd>,
+    /// Moving average of batch run time, for deadline-aware closing.
+    expected_run: Duration,
+}
+
+impl Pacing {
+    pub fn new(policy: &BatchPolicy) -> Pacing {
+        Pacing {
+            aimd: policy.latency_budget.map(|b| Aimd::new(b, policy.max_batch)),
+            expected_run: Duration::ZERO,
+        }
+    }
+
+    fn limit(&self, policy: &BatchPolicy) -> usize {
+        self.aimd.as_ref().map(|a| a.limit()).unwrap_or(policy.max_batch)
+    }
+
+    fn observe(&mut self, latency: Duration, run: Duration) {
+        self.expected_run = (self.expected_run * 7 + run) / 8;
+        if let Some(aimd) = &mut self.aimd {
+            aimd.observe(latency);
+        }
+    }
+}
+
+/// Forms the next batch from the shared queue: waits for a first request,
+/// then for more until the window closes. `None` once the queue is closed.
+pub fn next_batch(queue: &Mutex<Receiver<Entry>>, policy: &BatchPolicy, pacing: &Pacing) -> Option<Batch> {
+    // Holding the queue while the window is open keeps the other threads
+    // from splitting this batch.
+    let queue = queue.lock().ok()?;
+    loop {
+        let first = queue.recv().ok()?;
+        let now = Instant::now();
+        let mut window = Window::open(now, policy);
+        window.admit(first, now, pacing.expected_run);
+        let limit = pacing.limit(policy);
+        while window.rows() < limit {
+            let now = Instant::now();
+            if now >= window.close_at() {
+                break;
+            }
+            match queue.recv_timeout(window.close_at() - now) {
+                Ok(entry) => window.admit(entry, Instant::now(), pacing.expected_run),
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        if let Some(batch) = window.close(Instant::now()) {
+            return Some(batch);
+        }
+    }
+}
+
+/// An inference thread: take the next batch, run it, learn from it.
+pub fn run_batches(
+    queue: &Mutex<Receiver<Entry>>,
+    policy: &BatchPolicy,
+    run: impl Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError>,
+) {
+    let mut pacing = Pacing::new(policy);
+    while let Some(batch) = next_batch(queue, policy, &pacing) {
+        let opened = batch.opened;
+        let started = Instant::now();
+        batch.execute(&run);
+        let done = Instant::now();
+        pacing.observe(done - opened, done - started);
+    }
 }
 
 impl Batch {
@@ -201,92 +256,103 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::ErrorCode;
 
-    fn entry(
-        rows: usize,
-        deadline: Option<Instant>,
-    ) -> (Entry, oneshot::Receiver<Result<Vec<RawOutput>, InferError>>) {
+    type Answer = oneshot::Receiver<Result<Vec<RawOutput>, InferError>>;
+
+    fn entry(rows: usize, deadline: Option<Instant>) -> (Entry, Answer) {
         let (reply, rx) = oneshot::channel();
         let input = TensorData::F32(vec![0.0; rows * 2]);
         (Entry { prepared: Prepared { rows, input }, deadline, reply }, rx)
-    }
-
-    struct Harness {
-        queue: mpsc::Sender<Entry>,
-        batches: mpsc::Receiver<Batch>,
-        _timings: mpsc::UnboundedSender<BatchTiming>,
-    }
-
-    fn start(policy: BatchPolicy) -> Harness {
-        let (queue, rx) = mpsc::channel(64);
-        let (to_workers, batches) = mpsc::channel(1);
-        let (timings_tx, timings) = mpsc::unbounded_channel();
-        tokio::spawn(run_batcher(rx, policy, to_workers, timings));
-        Harness { queue, batches, _timings: timings_tx }
     }
 
     fn policy(max_batch: usize, max_delay_ms: u64) -> BatchPolicy {
         BatchPolicy { max_batch, max_delay: Duration::from_millis(max_delay_ms), latency_budget: None }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn the_window_closes_at_max_batch_without_waiting() {
-        let mut h = start(policy(4, 10));
-        let t0 = Instant::now();
-        let mut keep = Vec::new();
-        for _ in 0..6 {
-            let (e, rx) = entry(1, None);
-            keep.push(rx);
-            h.queue.send(e).await.unwrap();
+    const MS: Duration = Duration::from_millis(1);
+
+    /// Drives `next_batch` over a queue already holding `entries`, so the
+    /// window logic meets the real loop without any waiting.
+    fn batch_of(entries: Vec<Entry>, policy: &BatchPolicy) -> Option<Batch> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for e in entries {
+            tx.send(e).unwrap();
         }
-        let batch = h.batches.recv().await.unwrap();
+        drop(tx);
+        next_batch(&Mutex::new(rx), policy, &Pacing::new(policy))
+    }
+
+    #[test]
+    fn the_window_closes_at_max_batch() {
+        let p = policy(4, 10_000);
+        let mut keep = Vec::new();
+        let entries: Vec<Entry> = (0..6)
+            .map(|_| {
+                let (e, rx) = entry(1, None);
+                keep.push(rx);
+                e
+            })
+            .collect();
+        // A 10 s window, yet the batch is ready at once: it is full.
+        let started = Instant::now();
+        let batch = batch_of(entries, &p).unwrap();
         assert_eq!((batch.rows, batch.entries.len()), (4, 4));
-        assert_eq!(Instant::now() - t0, Duration::ZERO, "closed at max_batch, not at max_delay");
-        let rest = h.batches.recv().await.unwrap();
-        assert_eq!(rest.rows, 2);
-        assert_eq!(Instant::now() - t0, Duration::from_millis(10), "the remainder waits its window");
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn the_window_closes_at_max_delay() {
-        let mut h = start(policy(32, 7));
+    #[test]
+    fn the_window_closes_at_max_delay_counted_from_the_first_request() {
         let t0 = Instant::now();
-        let (e, _rx) = entry(3, None);
-        h.queue.send(e).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(2)).await;
-        let (e, _rx2) = entry(2, None);
-        h.queue.send(e).await.unwrap();
-        let batch = h.batches.recv().await.unwrap();
-        assert_eq!(batch.rows, 5);
-        assert_eq!(Instant::now() - t0, Duration::from_millis(7), "the window opened with the first request");
+        let p = policy(32, 7);
+        let mut w = Window::open(t0, &p);
+        let (a, _a) = entry(3, None);
+        w.admit(a, t0, Duration::ZERO);
+        let (b, _b) = entry(2, None);
+        w.admit(b, t0 + 2 * MS, Duration::ZERO);
+        assert_eq!(w.close_at(), t0 + 7 * MS, "the window opened with the first request");
+        assert_eq!(w.rows(), 5);
+        let batch = w.close(t0 + 7 * MS).unwrap();
+        assert_eq!(batch.entries.len(), 2);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_deadline_closes_the_window_early() {
-        let mut h = start(policy(32, 50));
+    #[test]
+    fn a_deadline_closes_the_window_early_enough_to_run_in_time() {
         let t0 = Instant::now();
-        let (e, _a) = entry(1, None);
-        h.queue.send(e).await.unwrap();
-        let (e, _b) = entry(1, Some(t0 + Duration::from_millis(3)));
-        h.queue.send(e).await.unwrap();
-        let batch = h.batches.recv().await.unwrap();
+        let mut w = Window::open(t0, &policy(32, 50));
+        let (a, _a) = entry(1, None);
+        w.admit(a, t0, Duration::ZERO);
+        let (b, _b) = entry(1, Some(t0 + 3 * MS));
+        // Batches usually take 500 us to run.
+        w.admit(b, t0, Duration::from_micros(500));
+        assert_eq!(w.close_at(), t0 + 3 * MS - Duration::from_micros(500) - DEADLINE_MARGIN);
+        let close_at = w.close_at();
+        let batch = w.close(close_at).unwrap();
         assert_eq!(batch.rows, 2, "both run, the one with the deadline in time");
-        assert_eq!(Instant::now() - t0, Duration::from_millis(3) - DEADLINE_MARGIN);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn expired_requests_are_answered_deadline_exceeded_and_do_not_run() {
-        let mut h = start(policy(32, 5));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        let (e, rx) = entry(1, Some(Instant::now() - Duration::from_micros(1)));
-        h.queue.send(e).await.unwrap();
-        let err = rx.await.unwrap().unwrap_err();
-        assert_eq!(err.code, crate::protocol::ErrorCode::DeadlineExceeded);
-        // It formed no batch: the next batch holds only the next request.
-        let (e, _rx) = entry(2, None);
-        h.queue.send(e).await.unwrap();
-        let batch = h.batches.recv().await.unwrap();
+    #[test]
+    fn expired_requests_are_answered_deadline_exceeded_and_do_not_run() {
+        let t0 = Instant::now();
+        let mut w = Window::open(t0 + MS, &policy(32, 5));
+        let (late, late_rx) = entry(1, Some(t0));
+        w.admit(late, t0 + MS, Duration::ZERO);
+        assert_eq!(w.rows(), 0, "not admitted");
+        let (ok, _ok) = entry(2, None);
+        w.admit(ok, t0 + MS, Duration::ZERO);
+        // One whose deadline passes while the window is open does not run either.
+        let (soon, mut soon_rx) = entry(1, Some(t0 + 2 * MS));
+        w.admit(soon, t0 + MS, Duration::ZERO);
+        let batch = w.close(t0 + 3 * MS).unwrap();
         assert_eq!((batch.entries.len(), batch.rows), (1, 2));
+        let mut late_rx = late_rx;
+        assert_eq!(late_rx.try_recv().unwrap().unwrap_err().code, ErrorCode::DeadlineExceeded);
+        assert_eq!(soon_rx.try_recv().unwrap().unwrap_err().code, ErrorCode::DeadlineExceeded);
+        // A window left with only expired requests forms no batch.
+        let mut w = Window::open(t0, &policy(32, 5));
+        let (e, _e) = entry(1, Some(t0 + MS));
+        w.admit(e, t0, Duration::ZERO);
+        assert!(w.close(t0 + 2 * MS).is_none());
     }
 
     /// Property: whatever the mix of multi-row requests, each requester gets
@@ -313,16 +379,17 @@ mod tests {
                 });
                 rows_total += rows;
             }
-            let batch = Batch { entries, rows: rows_total, opened: Instant::now() };
+            let batch = batch_of(entries, &policy(64, 10_000)).unwrap();
+            assert_eq!(batch.rows, rows_total);
             batch.execute(|rows, input| {
                 assert_eq!(rows, rows_total);
                 let echo = RawOutput { name: "echo".into(), shape: vec![rows, width], data: input.clone() };
-                let doubled = RawOutput {
-                    name: "x2".into(),
+                let index = RawOutput {
+                    name: "index".into(),
                     shape: vec![rows, 1],
                     data: TensorData::F32((0..rows).map(|i| i as f32).collect()),
                 };
-                Ok(vec![echo, doubled])
+                Ok(vec![echo, index])
             });
             let mut first_row = 0;
             for (rows, data, mut rx) in receivers {
@@ -357,5 +424,25 @@ mod tests {
             a.observe(Duration::from_secs(1));
         }
         assert_eq!(a.limit(), 1, "never below one row");
+    }
+
+    #[test]
+    fn adaptive_pacing_limits_the_batch() {
+        let mut p = policy(32, 10_000);
+        p.latency_budget = Some(Duration::from_millis(10));
+        let mut pacing = Pacing::new(&p);
+        assert_eq!(pacing.limit(&p), 1, "AIMD starts at one row");
+        pacing.observe(MS, MS);
+        pacing.observe(MS, MS);
+        assert_eq!(pacing.limit(&p), 3);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut keep = Vec::new();
+        for _ in 0..8 {
+            let (e, r) = entry(1, None);
+            keep.push(r);
+            tx.send(e).unwrap();
+        }
+        let batch = next_batch(&Mutex::new(rx), &p, &pacing).unwrap();
+        assert_eq!(batch.rows, 3, "the batch stops at the adaptive limit, not max_batch");
     }
 }

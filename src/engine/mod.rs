@@ -156,7 +156,7 @@ impl Engine {
                 )));
             }
             Some(d) => {
-                let at = tokio::time::Instant::from_std(start + d);
+                let at = start + d;
                 tokio::time::timeout(d - start.elapsed(), runner.run(prepared, Some(at))).await.map_err(
                     |_| {
                         InferError::deadline_exceeded(format!(

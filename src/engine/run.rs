@@ -1,49 +1,39 @@
 //! Stage 4b: inference on dedicated threads, never on the async runtime's.
 //! A model version's `Runner` is its bounded queue (a full one answers
-//! `overloaded` instead of growing memory), the batcher task that owns it, and
-//! the worker threads that run its batches.
+//! `overloaded` instead of growing memory) and the inference threads that
+//! form batches from it and run them (see batch.rs).
 
-use super::batch::{Batch, BatchPolicy, BatchTiming, Entry, run_batcher};
+use super::batch::{BatchPolicy, Entry, run_batches};
 use super::preprocess::Prepared;
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::InferError;
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc::error::TrySendError;
-use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
+use std::time::Instant;
+use tokio::sync::oneshot;
 
 pub struct Runner {
     model: Arc<LoadedModel>,
-    queue: mpsc::Sender<Entry>,
+    queue: SyncSender<Entry>,
 }
 
 impl Runner {
     pub fn start(model: Arc<LoadedModel>, policy: BatchPolicy, threads: usize, capacity: usize) -> Runner {
-        let (queue, queued) = mpsc::channel::<Entry>(capacity.max(1));
-        // One batch per idle worker in the hand-off: while all are busy the
-        // batcher waits and the queue grows into the next (fuller) batch.
-        let (to_workers, batches) = mpsc::channel::<Batch>(threads.max(1));
-        let (timings_tx, timings) = mpsc::unbounded_channel();
-        let batches = Arc::new(Mutex::new(batches));
+        let (queue, queued) = sync_channel::<Entry>(capacity.max(1));
+        let queued = Arc::new(Mutex::new(queued));
         for i in 0..threads.max(1) {
             let model = model.clone();
-            let batches = batches.clone();
-            let timings_tx = timings_tx.clone();
+            let queued = queued.clone();
+            let policy = policy.clone();
             std::thread::Builder::new()
                 .name(format!("infer-{}-{i}", model.name()))
-                .spawn(move || work(&model, &batches, &timings_tx))
+                .spawn(move || {
+                    run_batches(&queued, &policy, |rows, input| {
+                        model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
+                    })
+                })
                 .expect("spawning an inference thread");
         }
-        // The batcher owns the queue on a thread of its own, with a runtime of
-        // its own, so it keeps time whatever the callers' runtimes do.
-        std::thread::Builder::new()
-            .name(format!("batch-{}", model.name()))
-            .spawn(move || {
-                let rt =
-                    tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a runtime");
-                rt.block_on(run_batcher(queued, policy, to_workers, timings));
-            })
-            .expect("spawning the batcher thread");
         Runner { model, queue }
     }
 
@@ -61,32 +51,13 @@ impl Runner {
                     self.model.name()
                 )));
             }
-            Err(TrySendError::Closed(_)) => {
+            Err(TrySendError::Disconnected(_)) => {
                 return Err(InferError::internal(format!("model {} has stopped", self.model.name())));
             }
         }
         answer.await.unwrap_or_else(|_| {
             Err(InferError::internal(format!("model {} dropped a request", self.model.name())))
         })
-    }
-}
-
-fn work(
-    model: &LoadedModel,
-    batches: &Mutex<mpsc::Receiver<Batch>>,
-    timings: &mpsc::UnboundedSender<BatchTiming>,
-) {
-    loop {
-        let batch = match batches.lock() {
-            Ok(mut rx) => rx.blocking_recv(),
-            Err(_) => return,
-        };
-        let Some(batch) = batch else { return };
-        let opened = batch.opened;
-        let started = Instant::now();
-        batch.execute(|rows, input| model.run(rows, input).map_err(|e| InferError::internal(e.to_string())));
-        let done = Instant::now();
-        let _ = timings.send(BatchTiming { latency: done - opened, run: done - started });
     }
 }
 
