@@ -7,8 +7,8 @@ use edgeinfer::engine::{Engine, EngineOptions, Target};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::Encoding;
 use edgeinfer::telemetry::{Status, unix_now};
-use edgeinfer::transport::broker;
 use edgeinfer::transport::mqtt::{BrokerAddress, MqttService};
+use edgeinfer::transport::{broker, http};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -211,7 +211,8 @@ fn run(cli: Cli) -> Result<i32> {
             );
             let encoding = if postcard { Encoding::Postcard } else { Encoding::Json };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let target = Target { model: &model, version: model_version.as_deref(), deadline: None };
+            let target =
+                Target { model: &model, version: model_version.as_deref(), deadline: None, transport: "cli" };
             let handled = rt.block_on(engine.handle(target, &payload, encoding));
             let mut out = std::io::stdout().lock();
             out.write_all(&handled.reply)?;
@@ -297,6 +298,8 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
             v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default()
         );
     }
+    let metrics = edgeinfer::telemetry::install();
+    edgeinfer::telemetry::describe_models(&registry);
     let engine = Arc::new(Engine::new(
         Arc::new(registry),
         EngineOptions {
@@ -312,7 +315,19 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
         engine.registry().active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     tracing::info!("node {}: serving {} over {}", config.node.id, models.join(", "), config.mqtt.url);
     let status = Status::new(&config.node.id, engine.registry(), unix_now());
-    let (service, _ready) = MqttService::new(engine, &config, status)?;
+    let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
+    if !config.http.listen.is_empty() {
+        let listener = tokio::net::TcpListener::bind(&config.http.listen)
+            .await
+            .with_context(|| format!("http.listen = {:?}: cannot listen there", config.http.listen))?;
+        let router = http::router(engine, metrics, mqtt_ready);
+        tracing::info!("HTTP on {} (/metrics, /v2)", config.http.listen);
+        tokio::spawn(async move {
+            if let Err(e) = http::serve(listener, router, std::future::pending()).await {
+                tracing::error!("HTTP server stopped: {e}");
+            }
+        });
+    }
     service.run(shutdown_signal()).await;
     tracing::info!("stopped");
     Ok(0)

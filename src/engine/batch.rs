@@ -13,6 +13,7 @@
 use super::preprocess::Prepared;
 use crate::model::RawOutput;
 use crate::protocol::{InferError, TensorData};
+use crate::telemetry::{self, Stage};
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -25,6 +26,8 @@ pub struct Entry {
     pub prepared: Prepared,
     pub deadline: Option<Instant>,
     pub reply: Reply,
+    /// When it joined the queue (for the `queue` stage metric).
+    pub enqueued: Instant,
 }
 
 /// Requests run together; rows are packed in queue order.
@@ -172,12 +175,19 @@ impl Pacing {
 
 /// Forms the next batch from the shared queue: waits for a first request,
 /// then for more until the window closes. `None` once the queue is closed.
-pub fn next_batch(queue: &Mutex<Receiver<Entry>>, policy: &BatchPolicy, pacing: &Pacing) -> Option<Batch> {
+pub fn next_batch(
+    queue: &Mutex<Receiver<Entry>>,
+    policy: &BatchPolicy,
+    pacing: &Pacing,
+    model: &str,
+) -> Option<Batch> {
+    let depth = metrics::gauge!(telemetry::QUEUE_DEPTH, "model" => model.to_string());
     // Holding the queue while the window is open keeps the other threads
     // from splitting this batch.
     let queue = queue.lock().ok()?;
     loop {
         let first = queue.recv().ok()?;
+        depth.decrement(1.0);
         let now = Instant::now();
         let mut window = Window::open(now, policy);
         window.admit(first, now, pacing.expected_run);
@@ -188,7 +198,10 @@ pub fn next_batch(queue: &Mutex<Receiver<Entry>>, policy: &BatchPolicy, pacing: 
                 break;
             }
             match queue.recv_timeout(window.close_at() - now) {
-                Ok(entry) => window.admit(entry, Instant::now(), pacing.expected_run),
+                Ok(entry) => {
+                    depth.decrement(1.0);
+                    window.admit(entry, Instant::now(), pacing.expected_run)
+                }
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => break,
             }
@@ -203,14 +216,23 @@ pub fn next_batch(queue: &Mutex<Receiver<Entry>>, policy: &BatchPolicy, pacing: 
 pub fn run_batches(
     queue: &Mutex<Receiver<Entry>>,
     policy: &BatchPolicy,
+    model: &str,
     run: impl Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError>,
 ) {
     let mut pacing = Pacing::new(policy);
-    while let Some(batch) = next_batch(queue, policy, &pacing) {
+    let rows_metric = metrics::histogram!(telemetry::BATCH_ROWS, "model" => model.to_string());
+    while let Some(batch) = next_batch(queue, policy, &pacing, model) {
         let opened = batch.opened;
         let started = Instant::now();
+        rows_metric.record(batch.rows as f64);
+        let waited: Vec<f64> = batch.entries.iter().map(|e| (started - e.enqueued).as_secs_f64()).collect();
         batch.execute(&run);
         let done = Instant::now();
+        let run_seconds = (done - started).as_secs_f64();
+        for queued in waited {
+            telemetry::observe_stage(model, Stage::Queue, queued);
+            telemetry::observe_stage(model, Stage::Inference, run_seconds);
+        }
         pacing.observe(done - opened, done - started);
     }
 }
@@ -263,7 +285,7 @@ mod tests {
     fn entry(rows: usize, deadline: Option<Instant>) -> (Entry, Answer) {
         let (reply, rx) = oneshot::channel();
         let input = TensorData::F32(vec![0.0; rows * 2]);
-        (Entry { prepared: Prepared { rows, input }, deadline, reply }, rx)
+        (Entry { prepared: Prepared { rows, input }, deadline, reply, enqueued: Instant::now() }, rx)
     }
 
     fn policy(max_batch: usize, max_delay_ms: u64) -> BatchPolicy {
@@ -280,7 +302,7 @@ mod tests {
             tx.send(e).unwrap();
         }
         drop(tx);
-        next_batch(&Mutex::new(rx), policy, &Pacing::new(policy))
+        next_batch(&Mutex::new(rx), policy, &Pacing::new(policy), "test")
     }
 
     #[test]
@@ -376,6 +398,7 @@ mod tests {
                     prepared: Prepared { rows, input: TensorData::F32(data) },
                     deadline: None,
                     reply,
+                    enqueued: Instant::now(),
                 });
                 rows_total += rows;
             }
@@ -442,7 +465,7 @@ mod tests {
             keep.push(r);
             tx.send(e).unwrap();
         }
-        let batch = next_batch(&Mutex::new(rx), &p, &pacing).unwrap();
+        let batch = next_batch(&Mutex::new(rx), &p, &pacing, "test").unwrap();
         assert_eq!(batch.rows, 3, "the batch stops at the adaptive limit, not max_batch");
     }
 }

@@ -18,6 +18,7 @@ pub use run::Runner;
 use crate::config::LimitsConfig;
 use crate::model::Registry;
 use crate::protocol::{Encoding, ErrorCode, InferError, InferRequest, InferResponse};
+use crate::telemetry::{self, Stage};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,11 +60,13 @@ pub struct Target<'a> {
     /// A deadline the transport imposes (MQTT 5 Message Expiry), on top of
     /// `parameters.deadline_ms`; the earlier one wins.
     pub deadline: Option<Duration>,
+    /// `mqtt`, `http` or `cli`: the `transport` label of the request metrics.
+    pub transport: &'static str,
 }
 
 impl<'a> Target<'a> {
     pub fn model(model: &'a str) -> Self {
-        Target { model, version: None, deadline: None }
+        Target { model, version: None, deadline: None, transport: "cli" }
     }
 }
 
@@ -107,6 +110,9 @@ impl Engine {
 
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, target: Target<'_>, payload: &[u8], encoding: Encoding) -> Handled {
+        let start = Instant::now();
+        let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "transport" => target.transport);
+        in_flight.increment(1.0);
         let request = decode(payload, encoding, &self.options.limits);
         let (id, reply_to, result) = match request {
             Ok(req) => (req.id.clone(), req.reply_to.clone(), self.infer(target, req).await),
@@ -116,7 +122,25 @@ impl Engine {
             }
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
-        Handled { reply: encode(&id, result, encoding), id, reply_to, outcome }
+        // Unknown models are counted under one label, so a device sending
+        // junk topics cannot grow the metric set without bound.
+        let (model, version) = match &result {
+            Ok(r) => (r.model_name.clone(), r.model_version.clone()),
+            Err(e) if e.code == ErrorCode::UnknownModel => ("unknown".to_string(), String::new()),
+            Err(_) => (target.model.to_string(), String::new()),
+        };
+        let reply = encode(&id, result, encoding);
+        metrics::counter!(
+            telemetry::REQUESTS,
+            "model" => model.clone(),
+            "version" => version,
+            "transport" => target.transport,
+            "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
+        )
+        .increment(1);
+        telemetry::observe_stage(&model, Stage::EndToEnd, start.elapsed().as_secs_f64());
+        in_flight.decrement(1.0);
+        Handled { reply, id, reply_to, outcome }
     }
 
     /// An error reply without running the pipeline (a transport refusing work).
@@ -136,6 +160,7 @@ impl Engine {
         let start = Instant::now();
         let model = route::route(&self.registry, target, &req)?;
         let prepared = preprocess::prepare(&model, &req, &self.options.limits)?;
+        telemetry::observe_stage(model.name(), Stage::Preprocess, start.elapsed().as_secs_f64());
         let runner =
             self.runners.get(&(model.name().to_string(), model.version().to_string())).ok_or_else(|| {
                 InferError::internal(format!("model {} has no inference threads", model.name()))
@@ -168,6 +193,9 @@ impl Engine {
             }
             None => runner.run(prepared, None).await?,
         };
-        postprocess::respond(&model, &req, outputs, &self.options.node_id)
+        let post = Instant::now();
+        let response = postprocess::respond(&model, &req, outputs, &self.options.node_id);
+        telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
+        response
     }
 }

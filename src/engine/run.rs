@@ -28,7 +28,7 @@ impl Runner {
             std::thread::Builder::new()
                 .name(format!("infer-{}-{i}", model.name()))
                 .spawn(move || {
-                    run_batches(&queued, &policy, |rows, input| {
+                    run_batches(&queued, &policy, model.name(), |rows, input| {
                         model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
                     })
                 })
@@ -43,7 +43,14 @@ impl Runner {
         deadline: Option<Instant>,
     ) -> Result<Vec<RawOutput>, InferError> {
         let (reply, answer) = oneshot::channel();
-        match self.queue.try_send(Entry { prepared, deadline, reply }) {
+        // Counted before the send: the inference thread may take it at once.
+        let depth = metrics::gauge!(crate::telemetry::QUEUE_DEPTH, "model" => self.model.name().to_string());
+        depth.increment(1.0);
+        let sent = self.queue.try_send(Entry { prepared, deadline, reply, enqueued: Instant::now() });
+        if sent.is_err() {
+            depth.decrement(1.0);
+        }
+        match sent {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 return Err(InferError::overloaded(format!(

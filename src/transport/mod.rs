@@ -2,4 +2,5 @@
 //! engine. They decide nothing about a request's content.
 
 pub mod broker;
+pub mod http;
 pub mod mqtt;

@@ -123,6 +123,7 @@ impl MqttService {
                         )
                         .await;
                     self.state.ready.store(true, Ordering::SeqCst);
+                    metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
                     let _ = self.ready_tx.send(true);
                     tracing::info!(
                         "MQTT connected (session {}); serving {} and {}",
@@ -156,6 +157,8 @@ impl MqttService {
                     if self.state.ready.swap(false, Ordering::SeqCst) {
                         let _ = self.ready_tx.send(false);
                     }
+                    metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
+                    metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
                     self.state.reconnects.fetch_add(1, Ordering::Relaxed);
                     save_unacked(&eventloop, &mut unacked_replies);
                     let wait = backoff.next();
@@ -224,6 +227,7 @@ impl RequestTask {
         };
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
             self.state.no_reply_topic.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
             tracing::debug!("request on {topic} has no valid reply topic; dropped");
             drop(ticket);
             return;
@@ -236,7 +240,7 @@ impl RequestTask {
             ),
             (true, Some(model)) => {
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
-                let target = Target { model, version: None, deadline };
+                let target = Target { model, version: None, deadline, transport: "mqtt" };
                 self.engine.handle(target, &publish.payload, encoding).await
             }
             (true, None) => self.engine.reject(

@@ -3,6 +3,7 @@
 
 mod embedded;
 mod mosquitto;
+mod observability;
 mod support;
 
 use crate::{digits_request, heldout};

@@ -1,4 +1,4 @@
-//! What a node tells its fleet: the retained status message.
+//! The retained status message.
 
 use crate::model::Registry;
 use serde::Serialize;

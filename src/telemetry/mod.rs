@@ -1,0 +1,126 @@
+//! What a node tells its fleet: Prometheus metrics (names in one place, so
+//! dashboards and code agree) and the retained status message.
+
+mod status;
+
+pub use status::{ModelStatus, State, Status, unix_now};
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Requests answered, by `model`, `version`, `transport` (`mqtt`, `http`,
+/// `cli`) and `outcome` (`ok` or an error code).
+pub const REQUESTS: &str = "edgeinfer_requests_total";
+/// Seconds per pipeline stage, by `model` and `stage` (see `Stage`).
+pub const STAGE_SECONDS: &str = "edgeinfer_stage_duration_seconds";
+/// Rows per batch run, by `model`.
+pub const BATCH_ROWS: &str = "edgeinfer_batch_rows";
+/// Requests waiting in a model's queue, by `model`.
+pub const QUEUE_DEPTH: &str = "edgeinfer_queue_depth";
+/// Requests between arrival and reply, by `transport`.
+pub const IN_FLIGHT: &str = "edgeinfer_in_flight_requests";
+pub const MQTT_CONNECTED: &str = "edgeinfer_mqtt_connected";
+pub const MQTT_RECONNECTS: &str = "edgeinfer_mqtt_reconnects_total";
+/// Requests dropped because they named nowhere to reply.
+pub const MQTT_NO_REPLY_TOPIC: &str = "edgeinfer_mqtt_no_reply_topic_total";
+pub const BUILD_INFO: &str = "edgeinfer_build_info";
+pub const MODEL_INFO: &str = "edgeinfer_model_info";
+pub const RESIDENT_MEMORY: &str = "edgeinfer_process_resident_memory_bytes";
+
+/// The timed stages of the request path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Waiting in the model's queue and batch window.
+    Queue,
+    Preprocess,
+    /// The batch's model run (each request in it observes the whole run).
+    Inference,
+    Postprocess,
+    /// Bytes in to reply bytes out.
+    EndToEnd,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Queue => "queue",
+            Stage::Preprocess => "preprocess",
+            Stage::Inference => "inference",
+            Stage::Postprocess => "postprocess",
+            Stage::EndToEnd => "end_to_end",
+        }
+    }
+}
+
+pub fn observe_stage(model: &str, stage: Stage, seconds: f64) {
+    metrics::histogram!(STAGE_SECONDS, "model" => model.to_string(), "stage" => stage.as_str())
+        .record(seconds);
+}
+
+/// Buckets from 10 us to 10 s, three per decade: stages of a few tens of
+/// microseconds and a slow cloud call both land in a bucket of their own.
+const SECONDS_BUCKETS: [f64; 19] = [
+    0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+    1.0, 2.0, 5.0, 10.0,
+];
+const ROW_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
+/// Installs the process-wide recorder; `None` if one is installed already.
+pub fn install() -> Option<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &SECONDS_BUCKETS)
+        .ok()?
+        .set_buckets_for_metric(Matcher::Full(BATCH_ROWS.into()), &ROW_BUCKETS)
+        .ok()?
+        .install_recorder()
+        .ok()?;
+    metrics::describe_counter!(REQUESTS, "Requests answered, by model, version, transport and outcome");
+    metrics::describe_histogram!(STAGE_SECONDS, metrics::Unit::Seconds, "Time per pipeline stage");
+    metrics::describe_histogram!(BATCH_ROWS, "Rows per batch run");
+    metrics::describe_gauge!(QUEUE_DEPTH, "Requests waiting in the model's queue");
+    metrics::describe_gauge!(IN_FLIGHT, "Requests being processed");
+    metrics::describe_gauge!(MQTT_CONNECTED, "1 while the MQTT session is up with subscriptions in place");
+    metrics::describe_counter!(MQTT_RECONNECTS, "MQTT connection losses");
+    metrics::describe_counter!(MQTT_NO_REPLY_TOPIC, "Requests dropped for naming no reply topic");
+    metrics::describe_gauge!(BUILD_INFO, "Always 1; labels say what runs");
+    metrics::describe_gauge!(MODEL_INFO, "Always 1 per loaded model version");
+    metrics::describe_gauge!(RESIDENT_MEMORY, metrics::Unit::Bytes, "Resident set size of the process");
+    metrics::gauge!(
+        BUILD_INFO,
+        "version" => env!("CARGO_PKG_VERSION"),
+        "git_sha" => option_env!("EDGEINFER_GIT_SHA").unwrap_or("unknown"),
+        "target" => std::env::consts::ARCH
+    )
+    .set(1.0);
+    Some(handle)
+}
+
+/// One gauge per loaded model version.
+pub fn describe_models(registry: &crate::model::Registry) {
+    for m in registry.all() {
+        metrics::gauge!(
+            MODEL_INFO,
+            "model" => m.name().to_string(),
+            "version" => m.version().to_string(),
+            "sha256" => m.manifest.sha256.clone(),
+            "quantization" => m.manifest.quantization.as_str()
+        )
+        .set(1.0);
+    }
+}
+
+/// The scrape: refreshes what is read at scrape time, then renders.
+pub fn render(handle: &PrometheusHandle) -> String {
+    if let Some(rss) = resident_bytes() {
+        metrics::gauge!(RESIDENT_MEMORY).set(rss as f64);
+    }
+    handle.run_upkeep();
+    handle.render()
+}
+
+/// VmRSS from /proc (in kB there, whatever the page size).
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

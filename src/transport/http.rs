@@ -1,0 +1,165 @@
+//! The HTTP adapter: Prometheus scrapes, health, OIP model metadata and
+//! `POST .../infer` through the same engine as MQTT.
+
+use crate::engine::{Engine, Target};
+use crate::protocol::{Encoding, ErrorReply, InferError};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Serialize;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+#[derive(Clone)]
+struct AppState {
+    engine: Arc<Engine>,
+    metrics: Option<PrometheusHandle>,
+    /// True while the MQTT session is up with our subscriptions.
+    mqtt_ready: watch::Receiver<bool>,
+}
+
+pub fn router(
+    engine: Arc<Engine>,
+    metrics: Option<PrometheusHandle>,
+    mqtt_ready: watch::Receiver<bool>,
+) -> Router {
+    Router::new()
+        .route("/metrics", get(scrape))
+        .route("/v2/health/live", get(|| async { axum::Json(serde_json::json!({"live": true})) }))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2/models/{model}", get(metadata))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route("/v2/models/{model}/infer", post(infer))
+        .route("/v2/models/{model}/versions/{version}/infer", post(infer_version))
+        .with_state(AppState { engine, metrics, mqtt_ready })
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+}
+
+async fn scrape(State(state): State<AppState>) -> Response {
+    match &state.metrics {
+        Some(handle) => {
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::telemetry::render(handle))
+                .into_response()
+        }
+        None => (StatusCode::NOT_FOUND, "metrics are not recorded in this process\n").into_response(),
+    }
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    let models = state.engine.registry().active().count() > 0;
+    let mqtt = *state.mqtt_ready.borrow();
+    let body = axum::Json(
+        serde_json::json!({"ready": models && mqtt, "models_loaded": models, "mqtt_connected": mqtt}),
+    );
+    let status = if models && mqtt { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, body).into_response()
+}
+
+#[derive(Serialize)]
+struct TensorMetadata {
+    name: String,
+    datatype: &'static str,
+    shape: Vec<i64>,
+}
+
+#[derive(Serialize)]
+struct ModelMetadata {
+    name: String,
+    versions: Vec<String>,
+    platform: &'static str,
+    inputs: Vec<TensorMetadata>,
+    outputs: Vec<TensorMetadata>,
+}
+
+fn error_response(err: &InferError) -> Response {
+    let status = StatusCode::from_u16(err.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, axum::Json(ErrorReply::new("", err))).into_response()
+}
+
+async fn metadata(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+    let registry = state.engine.registry();
+    let m = match registry.get(&model, None) {
+        Ok(m) => m,
+        Err(e) => return error_response(&e),
+    };
+    let spec = |t: &crate::model::TensorSpec| TensorMetadata {
+        name: t.name.clone(),
+        datatype: t.datatype.as_str(),
+        shape: t.shape.clone(),
+    };
+    axum::Json(ModelMetadata {
+        name: m.name().to_string(),
+        versions: registry.versions(m.name()),
+        platform: "tract_onnx",
+        inputs: vec![spec(&m.manifest.input)],
+        outputs: m.manifest.outputs.iter().map(spec).collect(),
+    })
+    .into_response()
+}
+
+async fn model_ready(State(state): State<AppState>, Path(model): Path<String>) -> Response {
+    match state.engine.registry().get(&model, None) {
+        Ok(m) => axum::Json(serde_json::json!({"name": m.name(), "ready": true})).into_response(),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn infer(
+    State(state): State<AppState>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(&state, &model, None, &headers, body).await
+}
+
+async fn infer_version(
+    State(state): State<AppState>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(&state, &model, Some(&version), &headers, body).await
+}
+
+async fn handle(
+    state: &AppState,
+    model: &str,
+    version: Option<&str>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+    let encoding = Encoding::from_content_type(content_type);
+    let limit = state.engine.options().limits.max_payload_bytes;
+    let handled = match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => {
+            let target = Target { model, version, deadline: None, transport: "http" };
+            state.engine.handle(target, &bytes, encoding).await
+        }
+        Err(_) => state.engine.reject(
+            b"",
+            encoding,
+            InferError::too_large(format!(
+                "the request body is larger than limits.max_payload_bytes = {limit}; send fewer rows per request"
+            )),
+        ),
+    };
+    let status = match handled.outcome {
+        Ok(()) => StatusCode::OK,
+        Err(code) => StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+    };
+    (status, [(header::CONTENT_TYPE, encoding.content_type())], handled.reply).into_response()
+}

@@ -1,0 +1,203 @@
+//! /metrics, the HTTP v2 endpoints and readiness, on a real node.
+
+use super::labelled_request;
+use super::support::{Client, Mosquitto, Node, free_port_pair};
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// One HTTP/1.1 request; returns the status and the body.
+pub fn http(port: u16, method: &str, path: &str, body: &[u8], content_type: &str) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("an HTTP response");
+    let status = std::str::from_utf8(&raw[9..12]).unwrap().parse().unwrap();
+    (status, raw[split + 4..].to_vec())
+}
+
+fn get_json(port: u16, path: &str) -> (u16, Value) {
+    let (status, body) = http(port, "GET", path, b"", "application/json");
+    (
+        status,
+        serde_json::from_slice(&body)
+            .unwrap_or_else(|e| panic!("{path}: {e}: {:?}", String::from_utf8_lossy(&body))),
+    )
+}
+
+/// The value of the sample whose name and labels contain every `needle`.
+fn sample(scrape: &str, needles: &[&str]) -> f64 {
+    let line = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| needles.iter().all(|n| l.contains(n)))
+        .unwrap_or_else(|| panic!("no sample with {needles:?} in:\n{scrape}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn node_with_http(url: &str, id: &str) -> (Node, u16) {
+    let http_port = free_port_pair();
+    let listen = format!("127.0.0.1:{http_port}");
+    (Node::start(url, id, &[("EDGEINFER_HTTP__LISTEN", listen.as_str())]), http_port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
+    let port = free_port_pair();
+    let http_port = free_port_pair();
+    let listen = format!("127.0.0.1:{http_port}");
+    let _node = Node::start(
+        &format!("mqtt://127.0.0.1:{port}"),
+        "gw-o1",
+        &[("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"), ("EDGEINFER_HTTP__LISTEN", listen.as_str())],
+    );
+    let mut c = Client::connect(port, "dev-o1", &["devices/o1/replies"]).await;
+    let n = 25;
+    for i in 0..n {
+        let (payload, _) = labelled_request(&format!("o1-{i}"), i);
+        c.request("edgeinfer/gw-o1/infer/digits", payload, "devices/o1/replies", b"o", None).await;
+    }
+    for _ in 0..3 {
+        c.request("edgeinfer/gw-o1/infer/digits", b"{nope".to_vec(), "devices/o1/replies", b"o", None).await;
+    }
+    for _ in 0..n + 3 {
+        c.next_json().await;
+    }
+    let (status, body) = http(http_port, "GET", "/metrics", b"", "text/plain");
+    assert_eq!(status, 200);
+    let scrape = String::from_utf8(body).unwrap();
+    let ok = ["edgeinfer_requests_total{", "model=\"digits\"", "transport=\"mqtt\"", "outcome=\"ok\""];
+    assert_eq!(sample(&scrape, &ok), n as f64);
+    let bad = ["edgeinfer_requests_total{", "transport=\"mqtt\"", "outcome=\"invalid_payload\""];
+    assert_eq!(sample(&scrape, &bad), 3.0);
+    let count = |stage: &str| {
+        sample(
+            &scrape,
+            &["edgeinfer_stage_duration_seconds_count{", "model=\"digits\"", &format!("stage=\"{stage}\"")],
+        )
+    };
+    assert_eq!(count("end_to_end"), (n + 3) as f64);
+    for stage in ["preprocess", "queue", "inference", "postprocess"] {
+        assert_eq!(count(stage), n as f64, "{stage}");
+    }
+    assert_eq!(sample(&scrape, &["edgeinfer_batch_rows_sum{", "model=\"digits\""]), n as f64, "rows batched");
+    // Buckets resolve tens of microseconds.
+    assert!(scrape.contains("le=\"0.00002\""), "{scrape}");
+    assert_eq!(sample(&scrape, &["edgeinfer_mqtt_connected"]), 1.0);
+    assert_eq!(sample(&scrape, &["edgeinfer_model_info{", "model=\"digits\"", "quantization=\"int8\""]), 1.0);
+    assert_eq!(sample(&scrape, &["edgeinfer_build_info{"]), 1.0);
+    assert!(sample(&scrape, &["edgeinfer_process_resident_memory_bytes"]) > 1e6);
+
+    let promtool = ["/usr/bin/promtool", "/usr/local/bin/promtool"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists());
+    match promtool {
+        Some(promtool) => {
+            let mut child = std::process::Command::new(promtool)
+                .args(["check", "metrics"])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+            let out = child.wait_with_output().unwrap();
+            let said =
+                format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success(), "promtool check metrics: {said}");
+            assert!(said.trim().is_empty(), "promtool has remarks: {said}");
+        }
+        None => eprintln!("SKIPPED (promtool): install the Debian package prometheus"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_infer_answers_like_mqtt_and_errors_get_oip_json_with_status_codes() {
+    let port = free_port_pair();
+    let http_port = free_port_pair();
+    let listen = format!("127.0.0.1:{http_port}");
+    let _node = Node::start(
+        &format!("mqtt://127.0.0.1:{port}"),
+        "gw-o2",
+        &[
+            ("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"),
+            ("EDGEINFER_HTTP__LISTEN", listen.as_str()),
+            ("EDGEINFER_LIMITS__MAX_PAYLOAD_BYTES", "4096"),
+        ],
+    );
+    let (payload, label) = labelled_request("o2", 7);
+    let mut c = Client::connect(port, "dev-o2", &["devices/o2/replies"]).await;
+    c.request("edgeinfer/gw-o2/infer/digits", payload.clone(), "devices/o2/replies", b"o", None).await;
+    let (_, over_mqtt) = c.next_json().await;
+    let (status, body) = http(http_port, "POST", "/v2/models/digits/infer", &payload, "application/json");
+    assert_eq!(status, 200);
+    let over_http: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(over_http["outputs"], over_mqtt["outputs"], "same outputs over both transports");
+    assert_eq!(over_http["parameters"]["label"], label);
+    let (status, body) =
+        http(http_port, "POST", "/v2/models/digits/versions/1/infer", &payload, "application/json");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    // Requested outputs are honoured; an unknown one is invalid_input.
+    let mut req: Value = serde_json::from_slice(&payload).unwrap();
+    req["outputs"] = json!([{"name": "nope"}]);
+    let (status, body) =
+        http(http_port, "POST", "/v2/models/digits/infer", req.to_string().as_bytes(), "application/json");
+    assert_eq!(status, 400);
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["parameters"]["code"], "invalid_input");
+
+    let (status, body) = http(http_port, "POST", "/v2/models/nope/infer", &payload, "application/json");
+    assert_eq!(status, 404);
+    let err: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(err["parameters"]["code"], "unknown_model");
+    assert!(err["error"].as_str().unwrap().contains("nope"));
+    let (status, body) =
+        http(http_port, "POST", "/v2/models/digits/infer", b"{\"inputs\": [", "application/json");
+    assert_eq!(status, 400);
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["parameters"]["code"], "invalid_payload");
+    let big = vec![b' '; 10_000];
+    let (status, body) = http(http_port, "POST", "/v2/models/digits/infer", &big, "application/json");
+    assert_eq!(status, 413);
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["parameters"]["code"], "too_large");
+
+    let (status, meta) = get_json(http_port, "/v2/models/digits");
+    assert_eq!(status, 200);
+    assert_eq!(meta["name"], "digits");
+    assert_eq!(meta["versions"], json!(["1"]));
+    assert_eq!(meta["inputs"][0], json!({"name": "input", "datatype": "FP32", "shape": [-1, 64]}));
+    assert_eq!(meta["outputs"][0]["name"], "probabilities");
+    assert_eq!(get_json(http_port, "/v2/models/nope").0, 404);
+    assert_eq!(get_json(http_port, "/v2/models/digits/ready").0, 200);
+    assert_eq!(get_json(http_port, "/v2/health/live"), (200, json!({"live": true})));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_mqtt_session() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let port = broker.port;
+    let (node, http_port) = node_with_http(&broker.url(), "gw-o3");
+    assert_eq!(get_json(http_port, "/v2/health/ready").0, 200);
+    drop(broker);
+    let wait_for = |want: u16| {
+        let start = Instant::now();
+        while get_json(http_port, "/v2/health/ready").0 != want {
+            assert!(start.elapsed() < Duration::from_secs(20), "readiness never became {want}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    wait_for(503);
+    let (_, body) = get_json(http_port, "/v2/health/ready");
+    assert_eq!(body["mqtt_connected"], false);
+    assert_eq!(get_json(http_port, "/v2/health/live").0, 200, "alive while not ready");
+    let _broker = Mosquitto::start_on(port).unwrap();
+    node.wait_for_line("MQTT connected", Duration::from_secs(15));
+    wait_for(200);
+}
