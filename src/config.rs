@@ -24,6 +24,7 @@ pub struct Config {
     pub cloud: CloudConfig,
     pub runtime: RuntimeConfig,
     pub limits: LimitsConfig,
+    pub telemetry: TelemetryConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -123,6 +124,22 @@ pub struct LimitsConfig {
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Record Prometheus metrics (served on /metrics).
+    pub metrics: bool,
+    /// Every this many seconds publish PREFIX/NODE/stats (rates and
+    /// percentiles per model) and refresh the retained status; 0: never.
+    pub stats_interval_s: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig { metrics: true, stats_interval_s: 0 }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// Model name on the cloud tier; default: the same name.
     pub cloud_model: Option<String>,
@@ -212,7 +229,7 @@ impl Default for ModelConfig {
 
 const ENV_PREFIX: &str = "EDGEINFER_";
 /// Variables of the command line itself (`--config`, `--log`), not config keys.
-const CLI_VARS: [&str; 2] = ["EDGEINFER_CONFIG", "EDGEINFER_LOG"];
+const CLI_VARS: [&str; 3] = ["EDGEINFER_CONFIG", "EDGEINFER_LOG", "EDGEINFER_LOG_FORMAT"];
 
 impl Config {
     /// The file (if any) with the process environment's overrides on top.

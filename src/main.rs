@@ -40,6 +40,9 @@ struct Cli {
         value_name = "FILTER"
     )]
     log: String,
+    /// Log lines as text (for people) or JSON (one object a line, for collectors).
+    #[arg(long, global = true, env = "EDGEINFER_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -151,7 +154,7 @@ enum ModelsCommand {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    init_logging(&cli.log, cli.log_format == "json");
     match run(cli) {
         Ok(code) => std::process::exit(code),
         Err(e) => {
@@ -161,15 +164,16 @@ fn main() {
     }
 }
 
-fn init_logging(filter: &str) {
+fn init_logging(filter: &str, json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        logs.json().init();
+    } else {
+        logs.with_ansi(std::io::stderr().is_terminal()).init();
+    }
 }
 
 fn run(cli: Cli) -> Result<i32> {
@@ -298,7 +302,7 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
             v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default()
         );
     }
-    let metrics = edgeinfer::telemetry::install();
+    let metrics = if config.telemetry.metrics { edgeinfer::telemetry::install() } else { None };
     edgeinfer::telemetry::describe_models(&registry);
     let engine = Arc::new(Engine::new(
         Arc::new(registry),

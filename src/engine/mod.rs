@@ -84,6 +84,26 @@ pub struct Engine {
     registry: Arc<Registry>,
     runners: HashMap<(String, String), Runner>,
     options: EngineOptions,
+    /// Per model name, for the status and stats messages.
+    served: HashMap<String, Served>,
+}
+
+/// What a model has served: a running count, and round trips since the last
+/// stats snapshot.
+struct Served {
+    requests: std::sync::atomic::AtomicU64,
+    latency_us: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
+}
+
+/// One model's figures since the previous snapshot.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelStats {
+    pub requests_total: u64,
+    pub requests: u64,
+    pub rate_rps: f64,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
 }
 
 impl Engine {
@@ -97,7 +117,45 @@ impl Engine {
                 (key, Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity))
             })
             .collect();
-        Engine { registry, runners, options }
+        let served = registry
+            .active()
+            .map(|m| {
+                let histogram =
+                    hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
+                (m.name().to_string(), Served { requests: Default::default(), latency_us: histogram.into() })
+            })
+            .collect();
+        Engine { registry, runners, options, served }
+    }
+
+    /// Requests answered since start, by model.
+    pub fn request_counts(&self) -> std::collections::BTreeMap<String, u64> {
+        self.served
+            .iter()
+            .map(|(m, s)| (m.clone(), s.requests.load(std::sync::atomic::Ordering::Relaxed)))
+            .collect()
+    }
+
+    /// Per-model figures since the previous call, `interval` apart.
+    pub fn take_stats(&self, interval: Duration) -> std::collections::BTreeMap<String, ModelStats> {
+        let mut out = std::collections::BTreeMap::new();
+        for (name, served) in &self.served {
+            let Ok(mut h) = served.latency_us.lock() else { continue };
+            let ms = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
+            out.insert(
+                name.clone(),
+                ModelStats {
+                    requests_total: served.requests.load(std::sync::atomic::Ordering::Relaxed),
+                    requests: h.len(),
+                    rate_rps: h.len() as f64 / interval.as_secs_f64().max(1e-9),
+                    p50_ms: ms(0.5),
+                    p95_ms: ms(0.95),
+                    p99_ms: ms(0.99),
+                },
+            );
+            h.reset();
+        }
+        out
     }
 
     pub fn registry(&self) -> &Arc<Registry> {
@@ -138,7 +196,14 @@ impl Engine {
             "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
         )
         .increment(1);
-        telemetry::observe_stage(&model, Stage::EndToEnd, start.elapsed().as_secs_f64());
+        let elapsed = start.elapsed();
+        telemetry::observe_stage(&model, Stage::EndToEnd, elapsed.as_secs_f64());
+        if let Some(served) = self.served.get(&model) {
+            served.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(mut h) = served.latency_us.lock() {
+                let _ = h.record((elapsed.as_micros() as u64).max(1));
+            }
+        }
         in_flight.decrement(1.0);
         Handled { reply, id, reply_to, outcome }
     }

@@ -19,7 +19,11 @@ pub struct Status {
     pub version: &'static str,
     /// Unix seconds when the process started.
     pub started_at: u64,
+    /// Seconds since then, as of this message.
+    pub uptime_s: u64,
     pub models: Vec<ModelStatus>,
+    /// Requests answered since start, by model name.
+    pub requests: std::collections::BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -40,6 +44,8 @@ impl Status {
             node: node.into(),
             version: env!("CARGO_PKG_VERSION"),
             started_at,
+            uptime_s: 0,
+            requests: Default::default(),
             models: registry
                 .all()
                 .map(|m| ModelStatus {
@@ -54,8 +60,15 @@ impl Status {
     }
 
     pub fn with_state(&self, state: State) -> Vec<u8> {
+        self.snapshot(state, Default::default())
+    }
+
+    /// The message as of now: `state`, uptime and the request counts.
+    pub fn snapshot(&self, state: State, requests: std::collections::BTreeMap<String, u64>) -> Vec<u8> {
         let mut s = self.clone();
         s.state = state;
+        s.uptime_s = unix_now().saturating_sub(self.started_at);
+        s.requests = requests;
         serde_json::to_vec(&s).expect("status serializes")
     }
 }

@@ -39,6 +39,7 @@ pub struct MqttService {
     topics: Topics,
     status: Status,
     max_in_flight: usize,
+    stats_interval: Option<Duration>,
     options: rumqttc::v5::MqttOptions,
     pub state: Arc<MqttState>,
     /// Tells the caller each time the subscriptions are confirmed.
@@ -73,6 +74,8 @@ impl MqttService {
                 topics,
                 status,
                 max_in_flight: mqtt.max_in_flight,
+                stats_interval: (config.telemetry.stats_interval_s > 0)
+                    .then(|| Duration::from_secs(config.telemetry.stats_interval_s)),
                 options,
                 state: Arc::default(),
                 ready_tx,
@@ -93,9 +96,15 @@ impl MqttService {
         // it drops them if the broker lost our session, so we send them again.
         let mut unacked_replies: Vec<Publish> = Vec::new();
         tokio::pin!(shutdown);
+        let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
+        stats_tick.tick().await;
         loop {
             let event = tokio::select! {
                 _ = &mut shutdown => break,
+                _ = stats_tick.tick(), if self.stats_interval.is_some() => {
+                    self.publish_stats(&client).await;
+                    continue;
+                }
                 event = eventloop.poll() => event,
             };
             match event {
@@ -185,6 +194,22 @@ impl MqttService {
         .await;
     }
 
+    /// The periodic `stats` message, and the retained status refreshed with
+    /// uptime and request counts, for fleets that cannot scrape.
+    async fn publish_stats(&self, client: &AsyncClient) {
+        let interval = self.stats_interval.unwrap_or(Duration::from_secs(1));
+        let stats = serde_json::json!({
+            "node": self.status.node,
+            "interval_s": interval.as_secs(),
+            "models": self.engine.take_stats(interval),
+        });
+        let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
+        if self.state.ready.load(Ordering::SeqCst) {
+            let status = self.status.snapshot(State::Online, self.engine.request_counts());
+            let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
+        }
+    }
+
     async fn subscribe(&self, client: &AsyncClient) {
         for filter in [self.topics.node_requests(), self.topics.shared_requests()] {
             if let Err(e) = client.subscribe(filter.clone(), QoS::AtLeastOnce).await {
@@ -228,7 +253,8 @@ impl RequestTask {
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
             self.state.no_reply_topic.fetch_add(1, Ordering::Relaxed);
             metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
-            tracing::debug!("request on {topic} has no valid reply topic; dropped");
+            let id = crate::engine::peek(&publish.payload, encoding).id;
+            tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
             drop(ticket);
             return;
         };

@@ -26,6 +26,10 @@ impl Topics {
         format!("{}/{}/status", self.prefix, self.node)
     }
 
+    pub fn stats(&self) -> String {
+        format!("{}/{}/stats", self.prefix, self.node)
+    }
+
     /// The model a request topic names: `PREFIX/NODE/infer/MODEL` or
     /// `PREFIX/infer/MODEL` (shared subscriptions deliver the original topic).
     pub fn model_of<'a>(&self, topic: &'a str) -> Option<&'a str> {

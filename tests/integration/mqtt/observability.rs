@@ -201,3 +201,67 @@ async fn readiness_follows_the_mqtt_session() {
     node.wait_for_line("MQTT connected", Duration::from_secs(15));
     wait_for(200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_messages_and_the_refreshed_status_carry_counts_rates_and_percentiles() {
+    let port = free_port_pair();
+    let _node = Node::start(
+        &format!("mqtt://127.0.0.1:{port}"),
+        "gw-o4",
+        &[
+            ("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"),
+            ("EDGEINFER_TELEMETRY__STATS_INTERVAL_S", "1"),
+            ("EDGEINFER_LOG_FORMAT", "json"),
+        ],
+    );
+    let mut c = Client::connect(port, "dev-o4", &["devices/o4/replies"]).await;
+    for i in 0..5 {
+        let (payload, _) = labelled_request(&format!("o4-{i}"), i);
+        c.request("edgeinfer/gw-o4/infer/digits", payload, "devices/o4/replies", b"o", None).await;
+        c.next_json().await;
+    }
+    let mut fleet =
+        Client::connect(port, "fleet-o4", &["edgeinfer/gw-o4/stats", "edgeinfer/gw-o4/status"]).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (mut saw_stats, mut saw_status) = (false, false);
+    while !(saw_stats && saw_status) {
+        assert!(Instant::now() < deadline, "stats {saw_stats}, refreshed status {saw_status}");
+        let (p, body) = fleet.next_json().await;
+        match std::str::from_utf8(&p.topic).unwrap() {
+            "edgeinfer/gw-o4/stats" => {
+                let digits = &body["models"]["digits"];
+                assert_eq!(body["interval_s"], 1);
+                if digits["requests"].as_u64() == Some(5) {
+                    assert!(digits["p50_ms"].as_f64().unwrap() > 0.0, "{body}");
+                    assert!(digits["p99_ms"].as_f64() >= digits["p50_ms"].as_f64());
+                    assert!(digits["rate_rps"].as_f64().unwrap() > 0.0);
+                    saw_stats = true;
+                }
+                assert_eq!(digits["requests_total"], 5, "{body}");
+            }
+            _ => {
+                assert_eq!(body["state"], "online");
+                assert!(body["uptime_s"].is_u64(), "{body}");
+                if body["requests"]["digits"] == 5 {
+                    saw_status = true;
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_a_line() {
+    let port = free_port_pair();
+    let node = Node::start(
+        &format!("mqtt://127.0.0.1:{port}"),
+        "gw-o5",
+        &[("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"), ("EDGEINFER_LOG_FORMAT", "json")],
+    );
+    let log = node.log.lock().unwrap().clone();
+    assert!(log.len() >= 2);
+    for line in &log {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{line}");
+    }
+}
