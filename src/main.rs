@@ -36,7 +36,7 @@ struct Cli {
         long,
         global = true,
         env = "EDGEINFER_LOG",
-        default_value = "info,rumqttd=warn",
+        default_value = "info,rumqttd=warn,tract_linalg=warn",
         value_name = "FILTER"
     )]
     log: String,
