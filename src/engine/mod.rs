@@ -169,7 +169,10 @@ impl Engine {
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, target: Target<'_>, payload: &[u8], encoding: Encoding) -> Handled {
         let start = Instant::now();
-        let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "transport" => target.transport);
+        // Labelled by model only for names the node serves, so a device
+        // sending junk topics cannot grow the metric set without bound.
+        let label = if self.served.contains_key(target.model) { target.model } else { "unknown" };
+        let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "model" => label.to_string());
         in_flight.increment(1.0);
         let request = decode(payload, encoding, &self.options.limits);
         let (id, reply_to, result) = match request {
@@ -180,8 +183,6 @@ impl Engine {
             }
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
-        // Unknown models are counted under one label, so a device sending
-        // junk topics cannot grow the metric set without bound.
         let (model, version) = match &result {
             Ok(r) => (r.model_name.clone(), r.model_version.clone()),
             Err(e) if e.code == ErrorCode::UnknownModel => ("unknown".to_string(), String::new()),

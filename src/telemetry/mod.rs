@@ -16,7 +16,7 @@ pub const STAGE_SECONDS: &str = "edgeinfer_stage_duration_seconds";
 pub const BATCH_ROWS: &str = "edgeinfer_batch_rows";
 /// Requests waiting in a model's queue, by `model`.
 pub const QUEUE_DEPTH: &str = "edgeinfer_queue_depth";
-/// Requests between arrival and reply, by `transport`.
+/// Requests between arrival and reply, by `model`.
 pub const IN_FLIGHT: &str = "edgeinfer_in_flight_requests";
 pub const MQTT_CONNECTED: &str = "edgeinfer_mqtt_connected";
 pub const MQTT_RECONNECTS: &str = "edgeinfer_mqtt_reconnects_total";
@@ -87,8 +87,8 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::gauge!(
         BUILD_INFO,
         "version" => env!("CARGO_PKG_VERSION"),
-        "git_sha" => option_env!("EDGEINFER_GIT_SHA").unwrap_or("unknown"),
-        "target" => std::env::consts::ARCH
+        "git_sha" => env!("BUILD_GIT_SHA"),
+        "target" => env!("BUILD_TARGET")
     )
     .set(1.0);
     Some(handle)

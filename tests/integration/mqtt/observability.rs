@@ -93,7 +93,11 @@ async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
     assert!(scrape.contains("le=\"0.00002\""), "{scrape}");
     assert_eq!(sample(&scrape, &["edgeinfer_mqtt_connected"]), 1.0);
     assert_eq!(sample(&scrape, &["edgeinfer_model_info{", "model=\"digits\"", "quantization=\"int8\""]), 1.0);
-    assert_eq!(sample(&scrape, &["edgeinfer_build_info{"]), 1.0);
+    assert_eq!(
+        sample(&scrape, &["edgeinfer_build_info{", "target=\"x86_64-unknown-linux", "version=\""]),
+        1.0
+    );
+    assert!(!scrape.contains("git_sha=\"unknown\""), "a git checkout records its commit");
     assert!(sample(&scrape, &["edgeinfer_process_resident_memory_bytes"]) > 1e6);
 
     let promtool = ["/usr/bin/promtool", "/usr/local/bin/promtool"]
