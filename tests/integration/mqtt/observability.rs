@@ -43,22 +43,27 @@ fn sample(scrape: &str, needles: &[&str]) -> f64 {
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
-fn node_with_http(url: &str, id: &str) -> (Node, u16) {
+/// A node serving HTTP on a free port; returns it and that port.
+fn node_with_http(url: &str, id: &str, env: &[(&str, &str)]) -> (Node, u16) {
     let http_port = free_port_pair();
     let listen = format!("127.0.0.1:{http_port}");
-    (Node::start(url, id, &[("EDGEINFER_HTTP__LISTEN", listen.as_str())]), http_port)
+    let mut all = vec![("EDGEINFER_HTTP__LISTEN", listen.as_str())];
+    all.extend_from_slice(env);
+    (Node::start(url, id, &all), http_port)
+}
+
+/// The same with its embedded broker; returns it, the MQTT port and the HTTP port.
+fn embedded_node_with_http(id: &str, env: &[(&str, &str)]) -> (Node, u16, u16) {
+    let port = free_port_pair();
+    let mut all = vec![("EDGEINFER_MQTT__EMBEDDED_BROKER", "true")];
+    all.extend_from_slice(env);
+    let (node, http_port) = node_with_http(&format!("mqtt://127.0.0.1:{port}"), id, &all);
+    (node, port, http_port)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
-    let port = free_port_pair();
-    let http_port = free_port_pair();
-    let listen = format!("127.0.0.1:{http_port}");
-    let _node = Node::start(
-        &format!("mqtt://127.0.0.1:{port}"),
-        "gw-o1",
-        &[("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"), ("EDGEINFER_HTTP__LISTEN", listen.as_str())],
-    );
+    let (_node, port, http_port) = embedded_node_with_http("gw-o1", &[]);
     let mut c = Client::connect(port, "dev-o1", &["devices/o1/replies"]).await;
     let n = 25;
     for i in 0..n {
@@ -125,18 +130,8 @@ async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_infer_answers_like_mqtt_and_errors_get_oip_json_with_status_codes() {
-    let port = free_port_pair();
-    let http_port = free_port_pair();
-    let listen = format!("127.0.0.1:{http_port}");
-    let _node = Node::start(
-        &format!("mqtt://127.0.0.1:{port}"),
-        "gw-o2",
-        &[
-            ("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"),
-            ("EDGEINFER_HTTP__LISTEN", listen.as_str()),
-            ("EDGEINFER_LIMITS__MAX_PAYLOAD_BYTES", "4096"),
-        ],
-    );
+    let (_node, port, http_port) =
+        embedded_node_with_http("gw-o2", &[("EDGEINFER_LIMITS__MAX_PAYLOAD_BYTES", "4096")]);
     let (payload, label) = labelled_request("o2", 7);
     let mut c = Client::connect(port, "dev-o2", &["devices/o2/replies"]).await;
     c.request("edgeinfer/gw-o2/infer/digits", payload.clone(), "devices/o2/replies", b"o", None).await;
@@ -187,7 +182,7 @@ async fn http_infer_answers_like_mqtt_and_errors_get_oip_json_with_status_codes(
 async fn readiness_follows_the_mqtt_session() {
     let Some(broker) = Mosquitto::start() else { return };
     let port = broker.port;
-    let (node, http_port) = node_with_http(&broker.url(), "gw-o3");
+    let (node, http_port) = node_with_http(&broker.url(), "gw-o3", &[]);
     assert_eq!(get_json(http_port, "/v2/health/ready").0, 200);
     drop(broker);
     let wait_for = |want: u16| {
