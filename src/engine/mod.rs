@@ -169,9 +169,7 @@ impl Engine {
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, target: Target<'_>, payload: &[u8], encoding: Encoding) -> Handled {
         let start = Instant::now();
-        // Labelled by model only for names the node serves, so a device
-        // sending junk topics cannot grow the metric set without bound.
-        let label = if self.served.contains_key(target.model) { target.model } else { "unknown" };
+        let label = self.model_label(target.model);
         let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "model" => label.to_string());
         in_flight.increment(1.0);
         let request = decode(payload, encoding, &self.options.limits);
@@ -183,40 +181,58 @@ impl Engine {
             }
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
-        let (model, version) = match &result {
-            Ok(r) => (r.model_name.clone(), r.model_version.clone()),
-            Err(e) if e.code == ErrorCode::UnknownModel => ("unknown".to_string(), String::new()),
-            Err(_) => (target.model.to_string(), String::new()),
-        };
+        let version = result.as_ref().map(|r| r.model_version.clone()).unwrap_or_default();
         let reply = encode(&id, result, encoding);
-        metrics::counter!(
-            telemetry::REQUESTS,
-            "model" => model.clone(),
-            "version" => version,
-            "transport" => target.transport,
-            "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
-        )
-        .increment(1);
-        let elapsed = start.elapsed();
-        telemetry::observe_stage(&model, Stage::EndToEnd, elapsed.as_secs_f64());
-        if let Some(served) = self.served.get(&model) {
-            served.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if let Ok(mut h) = served.latency_us.lock() {
-                let _ = h.record((elapsed.as_micros() as u64).max(1));
-            }
-        }
+        self.record(label, &version, target.transport, outcome, start.elapsed());
         in_flight.decrement(1.0);
         Handled { reply, id, reply_to, outcome }
     }
 
-    /// An error reply without running the pipeline (a transport refusing work).
-    pub fn reject(&self, payload: &[u8], encoding: Encoding, error: InferError) -> Handled {
+    /// An error reply without running the pipeline (a transport refusing
+    /// work), counted like any other answer.
+    pub fn reject(
+        &self,
+        target: Target<'_>,
+        payload: &[u8],
+        encoding: Encoding,
+        error: InferError,
+    ) -> Handled {
+        let start = Instant::now();
         let peek = decode::peek(payload, encoding);
-        Handled {
-            outcome: Err(error.code),
-            reply: encode(&peek.id, Err(error), encoding),
-            id: peek.id,
-            reply_to: peek.reply_to,
+        let code = error.code;
+        let reply = encode(&peek.id, Err(error), encoding);
+        self.record(self.model_label(target.model), "", target.transport, Err(code), start.elapsed());
+        Handled { outcome: Err(code), reply, id: peek.id, reply_to: peek.reply_to }
+    }
+
+    /// The `model` label: the name for models this node serves, `unknown`
+    /// otherwise, so a device sending junk topics cannot grow the metric set.
+    fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self.served.contains_key(model) { model } else { "unknown" }
+    }
+
+    fn record(
+        &self,
+        model: &str,
+        version: &str,
+        transport: &'static str,
+        outcome: Result<(), ErrorCode>,
+        elapsed: Duration,
+    ) {
+        metrics::counter!(
+            telemetry::REQUESTS,
+            "model" => model.to_string(),
+            "version" => version.to_string(),
+            "transport" => transport,
+            "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
+        )
+        .increment(1);
+        telemetry::observe_stage(model, Stage::EndToEnd, elapsed.as_secs_f64());
+        if let Some(served) = self.served.get(model) {
+            served.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(mut h) = served.latency_us.lock() {
+                let _ = h.record((elapsed.as_micros() as u64).max(1));
+            }
         }
     }
 

@@ -150,6 +150,7 @@ async fn handle(
             state.engine.handle(target, &bytes, encoding).await
         }
         Err(_) => state.engine.reject(
+            Target { model, version, deadline: None, transport: "http" },
             b"",
             encoding,
             InferError::too_large(format!(

@@ -259,7 +259,8 @@ impl RequestTask {
             return;
         };
         let handled = match (admitted, self.topics.model_of(&topic)) {
-            (false, _) => self.engine.reject(
+            (false, model) => self.engine.reject(
+                Target { transport: "mqtt", ..Target::model(model.unwrap_or("")) },
                 &publish.payload,
                 encoding,
                 InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later"),
@@ -270,6 +271,7 @@ impl RequestTask {
                 self.engine.handle(target, &publish.payload, encoding).await
             }
             (true, None) => self.engine.reject(
+                Target { transport: "mqtt", ..Target::model("") },
                 &publish.payload,
                 encoding,
                 InferError::unknown_model(format!("topic {topic} does not name a model")),

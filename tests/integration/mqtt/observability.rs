@@ -167,6 +167,16 @@ async fn http_infer_answers_like_mqtt_and_errors_get_oip_json_with_status_codes(
     assert_eq!(status, 413);
     assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["parameters"]["code"], "too_large");
 
+    // Refused before the pipeline, still counted; junk model names share one label.
+    let (_, body) = http(http_port, "GET", "/metrics", b"", "text/plain");
+    let scrape = String::from_utf8(body).unwrap();
+    let too_large =
+        ["edgeinfer_requests_total{", "model=\"digits\"", "transport=\"http\"", "outcome=\"too_large\""];
+    assert_eq!(sample(&scrape, &too_large), 1.0);
+    let junk = ["edgeinfer_requests_total{", "model=\"unknown\"", "outcome=\"unknown_model\""];
+    assert_eq!(sample(&scrape, &junk), 1.0);
+    assert!(!scrape.contains("model=\"nope\""), "unknown names never become labels");
+
     let (status, meta) = get_json(http_port, "/v2/models/digits");
     assert_eq!(status, 200);
     assert_eq!(meta["name"], "digits");
