@@ -19,20 +19,8 @@ use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, S
 use rumqttc::v5::{AsyncClient, Event, EventLoop, Request};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
-
-/// What the service exposes to the rest of the node (readiness, counters).
-#[derive(Debug, Default)]
-pub struct MqttState {
-    /// Connected, with our subscriptions in place.
-    pub ready: AtomicBool,
-    pub reconnects: AtomicU64,
-    /// Requests dropped because they named no reply topic (or an invalid one).
-    pub no_reply_topic: AtomicU64,
-    pub requests: AtomicU64,
-}
 
 pub struct MqttService {
     engine: Arc<Engine>,
@@ -41,8 +29,8 @@ pub struct MqttService {
     max_in_flight: usize,
     stats_interval: Option<Duration>,
     options: rumqttc::v5::MqttOptions,
-    pub state: Arc<MqttState>,
-    /// Tells the caller each time the subscriptions are confirmed.
+    /// True while connected with our subscriptions in place; the HTTP
+    /// readiness check holds the receiving end.
     ready_tx: watch::Sender<bool>,
 }
 
@@ -77,7 +65,6 @@ impl MqttService {
                 stats_interval: (config.telemetry.stats_interval_s > 0)
                     .then(|| Duration::from_secs(config.telemetry.stats_interval_s)),
                 options,
-                state: Arc::default(),
                 ready_tx,
             },
             ready_rx,
@@ -123,17 +110,10 @@ impl MqttService {
                         // The session resumed and rumqttc resends them itself.
                         unacked_replies.clear();
                     }
-                    let _ = client
-                        .publish(
-                            self.topics.status(),
-                            QoS::AtLeastOnce,
-                            true,
-                            self.status.with_state(State::Online),
-                        )
-                        .await;
-                    self.state.ready.store(true, Ordering::SeqCst);
+                    let status = self.status.snapshot(State::Online, self.engine.request_counts());
+                    let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
-                    let _ = self.ready_tx.send(true);
+                    self.ready_tx.send_replace(true);
                     tracing::info!(
                         "MQTT connected (session {}); serving {} and {}",
                         if ack.session_present { "resumed" } else { "new" },
@@ -147,14 +127,12 @@ impl MqttService {
                     }
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => {
-                    self.state.requests.fetch_add(1, Ordering::Relaxed);
                     let permit = permits.clone().try_acquire_owned().ok();
                     let ticket = acks.arrived(&publish);
                     let task = RequestTask {
                         engine: self.engine.clone(),
                         client: client.clone(),
                         topics: self.topics.clone(),
-                        state: self.state.clone(),
                     };
                     tokio::spawn(async move {
                         task.handle(publish, permit.is_some(), ticket).await;
@@ -163,12 +141,9 @@ impl MqttService {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    if self.state.ready.swap(false, Ordering::SeqCst) {
-                        let _ = self.ready_tx.send(false);
-                    }
+                    self.ready_tx.send_replace(false);
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    self.state.reconnects.fetch_add(1, Ordering::Relaxed);
                     save_unacked(&eventloop, &mut unacked_replies);
                     let wait = backoff.next();
                     tracing::warn!("MQTT connection: {e}; reconnecting in {} ms", wait.as_millis());
@@ -176,8 +151,7 @@ impl MqttService {
                 }
             }
         }
-        self.state.ready.store(false, Ordering::SeqCst);
-        let _ = self.ready_tx.send(false);
+        self.ready_tx.send_replace(false);
         let _ = client
             .publish(self.topics.status(), QoS::AtLeastOnce, true, self.status.with_state(State::Offline))
             .await;
@@ -204,7 +178,7 @@ impl MqttService {
             "models": self.engine.take_stats(interval),
         });
         let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
-        if self.state.ready.load(Ordering::SeqCst) {
+        if *self.ready_tx.borrow() {
             let status = self.status.snapshot(State::Online, self.engine.request_counts());
             let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
         }
@@ -236,7 +210,6 @@ struct RequestTask {
     engine: Arc<Engine>,
     client: AsyncClient,
     topics: Topics,
-    state: Arc<MqttState>,
 }
 
 impl RequestTask {
@@ -246,14 +219,12 @@ impl RequestTask {
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
         let encoding = Encoding::from_content_type(props.content_type.as_deref());
-        let destination = match &props.response_topic {
-            Some(t) => Some(t.clone()),
-            None => crate::engine::peek(&publish.payload, encoding).reply_to,
-        };
+        // MQTT 3.1.1 requests name their reply topic in the payload.
+        let peeked = props.response_topic.is_none().then(|| crate::engine::peek(&publish.payload, encoding));
+        let destination = props.response_topic.clone().or_else(|| peeked.as_ref()?.reply_to.clone());
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
-            self.state.no_reply_topic.fetch_add(1, Ordering::Relaxed);
             metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
-            let id = crate::engine::peek(&publish.payload, encoding).id;
+            let id = peeked.unwrap_or_else(|| crate::engine::peek(&publish.payload, encoding)).id;
             tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
             drop(ticket);
             return;
