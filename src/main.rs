@@ -206,12 +206,8 @@ fn run(cli: Cli) -> Result<i32> {
             let payload = read_input(&input)?;
             let engine = Engine::new(
                 Arc::new(registry),
-                EngineOptions {
-                    node_id: config.node.id.clone(),
-                    limits: config.limits.clone(),
-                    threads_per_model: 1,
-                    ..Default::default()
-                },
+                // One request: one inference thread per model is plenty.
+                EngineOptions { threads_per_model: 1, ..EngineOptions::from_config(&config) },
             );
             let encoding = if postcard { Encoding::Postcard } else { Encoding::Json };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -304,17 +300,7 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
     }
     let metrics = if config.telemetry.metrics { edgeinfer::telemetry::install() } else { None };
     edgeinfer::telemetry::describe_models(&registry);
-    let engine = Arc::new(Engine::new(
-        Arc::new(registry),
-        EngineOptions {
-            node_id: config.node.id.clone(),
-            limits: config.limits.clone(),
-            threads_per_model: config.runtime.threads_per_model,
-            queue_capacity: config.runtime.queue_capacity,
-            batching: config.batch_policy(""),
-            model_batching: config.models.keys().map(|m| (m.clone(), config.batch_policy(m))).collect(),
-        },
-    ));
+    let engine = Arc::new(Engine::new(Arc::new(registry), EngineOptions::from_config(&config)));
     let models: Vec<String> =
         engine.registry().active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     tracing::info!("node {}: serving {} over {}", config.node.id, models.join(", "), config.mqtt.url);

@@ -50,6 +50,20 @@ impl Default for EngineOptions {
     }
 }
 
+impl EngineOptions {
+    /// The options the config file asks for.
+    pub fn from_config(config: &crate::config::Config) -> EngineOptions {
+        EngineOptions {
+            node_id: config.node.id.clone(),
+            limits: config.limits.clone(),
+            threads_per_model: config.runtime.threads_per_model,
+            queue_capacity: config.runtime.queue_capacity,
+            batching: config.batch_policy(""),
+            model_batching: config.models.keys().map(|m| (m.clone(), config.batch_policy(m))).collect(),
+        }
+    }
+}
+
 /// Which model a transport addressed (topic or URL), before the request is read.
 #[derive(Debug, Clone, Copy)]
 pub struct Target<'a> {
