@@ -347,7 +347,7 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
     let options = edgeinfer::bench::BenchOptions {
         url,
         topic,
-        payload,
+        payload: payload.into(),
         connections: args.connections.max(1),
         concurrency: args.concurrency.max(1),
         rate: args.rate,

@@ -21,7 +21,8 @@ pub struct BenchOptions {
     pub url: String,
     /// Requests go to this topic.
     pub topic: String,
-    pub payload: Vec<u8>,
+    /// Shared, so each request clones a reference, not the bytes.
+    pub payload: bytes::Bytes,
     pub connections: usize,
     /// Closed loop: requests in flight per connection.
     pub concurrency: usize,
