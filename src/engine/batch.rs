@@ -244,8 +244,12 @@ impl Batch {
         let result = match entries.as_slice() {
             [one] => run(one.prepared.rows, &one.prepared.input),
             _ => {
-                let mut input = entries[0].prepared.input.clone();
-                let packed = entries[1..].iter().try_for_each(|e| input.extend(e.prepared.input.clone()));
+                // The inputs are not needed after packing: move, do not copy.
+                let mut taken = entries
+                    .iter_mut()
+                    .map(|e| std::mem::replace(&mut e.prepared.input, TensorData::F32(Vec::new())));
+                let mut input = taken.next().expect("a batch has entries");
+                let packed = taken.try_for_each(|part| input.extend(part));
                 match packed {
                     Ok(()) => run(self.rows, &input),
                     Err(m) => Err(InferError::internal(m)),
