@@ -82,6 +82,7 @@ impl MqttService {
         // Replies rumqttc had not seen acknowledged when the connection broke;
         // it drops them if the broker lost our session, so we send them again.
         let mut unacked_replies: Vec<Publish> = Vec::new();
+        let mut awaiting_suback = false;
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
@@ -99,6 +100,7 @@ impl MqttService {
                     backoff.reset();
                     if !ack.session_present {
                         self.subscribe(&client).await;
+                        awaiting_suback = true;
                         for reply in unacked_replies.drain(..) {
                             let topic = String::from_utf8_lossy(&reply.topic).into_owned();
                             let props = reply.properties.clone().unwrap_or_default();
@@ -107,23 +109,22 @@ impl MqttService {
                                 .await;
                         }
                     } else {
-                        // The session resumed and rumqttc resends them itself.
+                        // The session resumed with its subscriptions, and
+                        // rumqttc resends the unacknowledged replies itself.
                         unacked_replies.clear();
+                        self.announce_ready(&client, "resumed").await;
                     }
-                    let status = self.status.snapshot(State::Online, self.engine.request_counts());
-                    let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
-                    metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
-                    self.ready_tx.send_replace(true);
-                    tracing::info!(
-                        "MQTT connected (session {}); serving {} and {}",
-                        if ack.session_present { "resumed" } else { "new" },
-                        self.topics.node_requests(),
-                        self.topics.shared_requests()
-                    );
                 }
                 Ok(Event::Incoming(Packet::SubAck(ack))) => {
                     if ack.return_codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
-                        tracing::error!("the broker refused a subscription: {:?}", ack.return_codes);
+                        tracing::error!(
+                            "the broker refused a subscription: {:?}; not ready",
+                            ack.return_codes
+                        );
+                    } else if std::mem::take(&mut awaiting_suback) {
+                        // Ready only now: a request published before the
+                        // broker took the subscription would reach no one.
+                        self.announce_ready(&client, "new").await;
                     }
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => {
@@ -142,6 +143,7 @@ impl MqttService {
                 Ok(_) => {}
                 Err(e) => {
                     self.ready_tx.send_replace(false);
+                    awaiting_suback = false;
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
                     save_unacked(&eventloop, &mut unacked_replies);
@@ -184,12 +186,26 @@ impl MqttService {
         }
     }
 
+    /// Both filters in one SUBSCRIBE, so one SUBACK confirms them.
     async fn subscribe(&self, client: &AsyncClient) {
-        for filter in [self.topics.node_requests(), self.topics.shared_requests()] {
-            if let Err(e) = client.subscribe(filter.clone(), QoS::AtLeastOnce).await {
-                tracing::error!("subscribing to {filter}: {e}");
-            }
+        let filters = [self.topics.node_requests(), self.topics.shared_requests()]
+            .map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
+        if let Err(e) = client.subscribe_many(filters).await {
+            tracing::error!("subscribing to the request topics: {e}");
         }
+    }
+
+    /// Subscriptions are in place: status online, readiness, one log line.
+    async fn announce_ready(&self, client: &AsyncClient, session: &str) {
+        let status = self.status.snapshot(State::Online, self.engine.request_counts());
+        let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
+        metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
+        self.ready_tx.send_replace(true);
+        tracing::info!(
+            "MQTT connected (session {session}); serving {} and {}",
+            self.topics.node_requests(),
+            self.topics.shared_requests()
+        );
     }
 }
 
