@@ -25,6 +25,7 @@ pub struct Config {
     pub runtime: RuntimeConfig,
     pub limits: LimitsConfig,
     pub telemetry: TelemetryConfig,
+    pub cache: CacheConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -138,6 +139,34 @@ impl Default for TelemetryConfig {
     }
 }
 
+/// The response cache: a memory layer over a sled store in `node.state_dir`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Cache replies at all (a request can still opt out with `parameters.cache = false`).
+    pub enabled: bool,
+    /// Bytes the memory layer may hold; 0 turns it off.
+    pub memory_bytes: u64,
+    /// Bytes of entries the disk layer may hold before the oldest go; 0 turns it off.
+    pub disk_bytes: u64,
+    /// How long an answer stays valid, unless the model sets `models.NAME.cache_ttl_s`.
+    pub ttl_s: u64,
+    /// How often expired disk entries are removed.
+    pub sweep_interval_s: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            enabled: true,
+            memory_bytes: 16 * 1024 * 1024,
+            disk_bytes: 256 * 1024 * 1024,
+            ttl_s: 24 * 3600,
+            sweep_interval_s: 60,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
@@ -149,6 +178,9 @@ pub struct ModelConfig {
     pub max_batch: Option<usize>,
     pub max_delay_us: Option<u64>,
     pub latency_budget_ms: Option<f64>,
+    /// How long this model's answers stay cached; 0: never cache them (for a
+    /// model whose answers change with time). Default: `cache.ttl_s`.
+    pub cache_ttl_s: Option<u64>,
 }
 
 impl Default for NodeConfig {
@@ -223,6 +255,7 @@ impl Default for ModelConfig {
             max_batch: None,
             max_delay_us: None,
             latency_budget_ms: None,
+            cache_ttl_s: None,
         }
     }
 }
@@ -279,6 +312,12 @@ impl Config {
                 .or(rt.latency_budget_ms)
                 .map(|ms| std::time::Duration::from_secs_f64(ms / 1e3)),
         }
+    }
+
+    /// How long `model`'s answers stay cached; zero: not cached.
+    pub fn cache_ttl(&self, model: &str) -> std::time::Duration {
+        let s = self.models.get(model).and_then(|m| m.cache_ttl_s).unwrap_or(self.cache.ttl_s);
+        std::time::Duration::from_secs(s)
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -397,6 +436,21 @@ impl Config {
             }
             Ok(())
         };
+        if self.cache.sweep_interval_s == 0 {
+            return bad("cache.sweep_interval_s", "0: use at least 1 second".into());
+        }
+        if self.cache.memory_bytes > 0 && self.cache.memory_bytes < 64 * 1024 {
+            return bad(
+                "cache.memory_bytes",
+                format!("{}: use 0 (off) or at least 65536", self.cache.memory_bytes),
+            );
+        }
+        if self.cache.disk_bytes > 0 && self.cache.disk_bytes < 64 * 1024 {
+            return bad(
+                "cache.disk_bytes",
+                format!("{}: use 0 (off) or at least 65536", self.cache.disk_bytes),
+            );
+        }
         let rt = &self.runtime;
         batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms)?;
         for (name, model) in &self.models {

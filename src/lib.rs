@@ -5,6 +5,7 @@
 //! Transports (the `infer` command now, MQTT and HTTP later) only move bytes
 //! in and out of it.
 
+pub mod admin;
 pub mod bench;
 pub mod config;
 pub mod engine;

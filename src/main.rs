@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use edgeinfer::config::Config;
-use edgeinfer::engine::{Engine, EngineOptions, Target};
+use edgeinfer::engine::{Cache, CacheOptions, Engine, EngineOptions, Target};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::Encoding;
 use edgeinfer::telemetry::{Status, unix_now};
@@ -91,6 +91,38 @@ enum Command {
     Models {
         #[command(subcommand)]
         command: ModelsCommand,
+    },
+    /// Inspect or empty the response cache.
+    ///
+    /// Talks to the running node through its HTTP endpoint (http.listen, on
+    /// loopback only), since a node holds its store locked; with no node
+    /// running it opens the store in node.state_dir/cache itself.
+    Cache {
+        #[command(subcommand)]
+        command: CacheCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheCommand {
+    /// Entries, bytes and capacity of the memory and disk layers, and any
+    /// problem the disk layer had (a store moved aside, an I/O error).
+    Stats {
+        /// The node's HTTP address; default: http://<http.listen>.
+        #[arg(long)]
+        url: Option<String>,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove cached answers from both layers: all of them, or one model's.
+    Purge {
+        /// Only this model's answers.
+        #[arg(long, short)]
+        model: Option<String>,
+        /// The node's HTTP address; default: http://<http.listen>.
+        #[arg(long)]
+        url: Option<String>,
     },
 }
 
@@ -192,6 +224,10 @@ fn run(cli: Cli) -> Result<i32> {
         Ok(registry)
     };
     match cli.command {
+        Command::Cache { command } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(cache_command(&config, command))
+        }
         Command::Bench(args) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             rt.block_on(bench(&config, args))
@@ -208,6 +244,8 @@ fn run(cli: Cli) -> Result<i32> {
                 Arc::new(registry),
                 // One request: one inference thread per model is plenty.
                 EngineOptions { threads_per_model: 1, ..EngineOptions::from_config(&config) },
+                // One answer: nothing to reuse, and a serving node may hold the store.
+                Cache::off(),
             );
             let encoding = if postcard { Encoding::Postcard } else { Encoding::Json };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -300,7 +338,8 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
     }
     let metrics = if config.telemetry.metrics { edgeinfer::telemetry::install() } else { None };
     edgeinfer::telemetry::describe_models(&registry);
-    let engine = Arc::new(Engine::new(Arc::new(registry), EngineOptions::from_config(&config)));
+    let cache = Cache::open(CacheOptions::from_config(&config));
+    let engine = Arc::new(Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache));
     let models: Vec<String> =
         engine.registry().active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     tracing::info!("node {}: serving {} over {}", config.node.id, models.join(", "), config.mqtt.url);
@@ -310,7 +349,7 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen = {:?}: cannot listen there", config.http.listen))?;
-        let router = http::router(engine, metrics, mqtt_ready);
+        let router = http::router(engine.clone(), metrics, mqtt_ready);
         tracing::info!("HTTP on {} (/metrics, /v2)", config.http.listen);
         tokio::spawn(async move {
             if let Err(e) = http::serve(listener, router, std::future::pending()).await {
@@ -319,6 +358,7 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
         });
     }
     service.run(shutdown_signal()).await;
+    engine.cache().flush().await;
     tracing::info!("stopped");
     Ok(0)
 }
@@ -363,6 +403,46 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
         println!("{report}");
     }
     Ok(if report.requests > 0 { 0 } else { 1 })
+}
+
+async fn cache_command(config: &Config, command: CacheCommand) -> Result<i32> {
+    match command {
+        CacheCommand::Stats { url, json } => {
+            let (stats, source) = edgeinfer::admin::cache_stats(config, url.as_deref()).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&stats)?);
+                return Ok(0);
+            }
+            println!("cache of the {source}{}", if stats.enabled { "" } else { " (cache.enabled = false)" });
+            println!(
+                "  memory: {} entries, {} of {} bytes",
+                stats.memory_entries, stats.memory_bytes, stats.memory_capacity_bytes
+            );
+            match &stats.disk {
+                Some(d) => {
+                    println!(
+                        "  disk:   {} entries, {} of {} bytes ({} bytes of files) in {}{}",
+                        d.entries,
+                        d.bytes,
+                        d.capacity_bytes,
+                        d.size_on_disk,
+                        d.path.display(),
+                        if d.enabled { "" } else { ", DISABLED" }
+                    );
+                    if let Some(p) = &d.problem {
+                        println!("  problem: {p}");
+                    }
+                }
+                None => println!("  disk:   off"),
+            }
+        }
+        CacheCommand::Purge { model, url } => {
+            let (n, source) = edgeinfer::admin::cache_purge(config, url.as_deref(), model.as_deref()).await?;
+            let what = model.map(|m| format!("model {m}'s")).unwrap_or_else(|| "all".into());
+            println!("purged {what} cached answers from the {source}: {n} disk entries removed");
+        }
+    }
+    Ok(0)
 }
 
 async fn shutdown_signal() {

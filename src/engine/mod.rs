@@ -1,8 +1,9 @@
 //! The request pipeline every transport shares:
-//! decode -> route -> preprocess -> run -> postprocess -> reply.
+//! decode -> route -> preprocess -> cache -> batch/run -> postprocess -> reply.
 //! Each stage lives in the file named after it.
 
 mod batch;
+pub mod cache;
 mod decode;
 mod postprocess;
 mod preprocess;
@@ -11,6 +12,7 @@ mod route;
 mod run;
 
 pub use batch::BatchPolicy;
+pub use cache::{Cache, CacheOptions};
 pub use decode::{Peek, decode, peek};
 pub use reply::encode;
 pub use run::Runner;
@@ -100,6 +102,7 @@ pub struct Engine {
     options: EngineOptions,
     /// Per model name, for the status and stats messages.
     served: HashMap<String, Served>,
+    cache: Cache,
 }
 
 /// What a model has served: a running count, and round trips since the last
@@ -122,7 +125,7 @@ pub struct ModelStats {
 
 impl Engine {
     /// Starts the inference threads of every loaded model version.
-    pub fn new(registry: Arc<Registry>, options: EngineOptions) -> Engine {
+    pub fn new(registry: Arc<Registry>, options: EngineOptions, cache: Cache) -> Engine {
         let runners = registry
             .all()
             .map(|m| {
@@ -139,7 +142,7 @@ impl Engine {
                 (m.name().to_string(), Served { requests: Default::default(), latency_us: histogram.into() })
             })
             .collect();
-        Engine { registry, runners, options, served }
+        Engine { registry, runners, options, served, cache }
     }
 
     /// Requests answered since start, by model.
@@ -174,6 +177,10 @@ impl Engine {
 
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
+    }
+
+    pub fn cache(&self) -> &Cache {
+        &self.cache
     }
 
     pub fn options(&self) -> &EngineOptions {
@@ -250,8 +257,8 @@ impl Engine {
         }
     }
 
-    /// One decoded request through route, preprocess, run and postprocess,
-    /// within its deadline.
+    /// One decoded request through route, preprocess, cache, run and
+    /// postprocess, within its deadline.
     pub async fn infer(&self, target: Target<'_>, req: InferRequest) -> Result<InferResponse, InferError> {
         let start = Instant::now();
         let model = route::route(&self.registry, target, &req)?;
@@ -269,29 +276,44 @@ impl Engine {
             Some(ms) => format!("parameters.deadline_ms = {ms}"),
             None => "the message expiry interval".to_string(),
         };
-        let outputs = match deadline {
-            Some(d) if start.elapsed() >= d => {
-                return Err(InferError::deadline_exceeded(format!(
-                    "{} passed before the model could run; allow more time",
-                    what()
-                )));
+        let cached = match req.parameters.cache {
+            Some(false) => None,
+            _ => {
+                self.cache.ttl(model.name()).map(|ttl| (cache::Key::new(&model, &req, &prepared.input), ttl))
             }
-            Some(d) => {
-                let at = start + d;
-                tokio::time::timeout(d - start.elapsed(), runner.run(prepared, Some(at))).await.map_err(
-                    |_| {
-                        InferError::deadline_exceeded(format!(
-                            "{}: no answer in time; allow more time or send fewer rows",
-                            what()
-                        ))
-                    },
-                )??
-            }
-            None => runner.run(prepared, None).await?,
         };
-        let post = Instant::now();
-        let response = postprocess::respond(&model, &req, outputs, &self.options.node_id);
-        telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
-        response
+        let answer = async {
+            let ticket = match cached {
+                Some((key, ttl)) => match self.cache.lookup(model.name(), key, ttl).await {
+                    cache::Lookup::Hit(mut response) => {
+                        response.id.clone_from(&req.id);
+                        return Ok(response);
+                    }
+                    cache::Lookup::Miss(ticket) => Some(ticket),
+                },
+                None => None,
+            };
+            let outputs = runner.run(prepared, deadline.map(|d| start + d)).await?;
+            let post = Instant::now();
+            let response = postprocess::respond(&model, &req, outputs, &self.options.node_id)?;
+            telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
+            if let Some(ticket) = ticket {
+                self.cache.store(ticket, &response);
+            }
+            Ok(response)
+        };
+        match deadline {
+            Some(d) if start.elapsed() >= d => Err(InferError::deadline_exceeded(format!(
+                "{} passed before the model could run; allow more time",
+                what()
+            ))),
+            Some(d) => tokio::time::timeout(d - start.elapsed(), answer).await.map_err(|_| {
+                InferError::deadline_exceeded(format!(
+                    "{}: no answer in time; allow more time or send fewer rows",
+                    what()
+                ))
+            })?,
+            None => answer.await,
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 mod status;
 
-pub use status::{ModelStatus, State, Status, unix_now};
+pub use status::{CacheHealth, ModelStatus, State, Status, unix_now, unix_now_ms};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -25,6 +25,23 @@ pub const MQTT_NO_REPLY_TOPIC: &str = "edgeinfer_mqtt_no_reply_topic_total";
 pub const BUILD_INFO: &str = "edgeinfer_build_info";
 pub const MODEL_INFO: &str = "edgeinfer_model_info";
 pub const RESIDENT_MEMORY: &str = "edgeinfer_process_resident_memory_bytes";
+/// Cache lookups, by `model` and `result` (`miss`, `memory`, `disk`, or
+/// `coalesced`: answered by an identical request already running).
+pub const CACHE_LOOKUPS: &str = "edgeinfer_cache_lookups_total";
+/// Entries and bytes held, by `layer` (`memory`, `disk`).
+pub const CACHE_ENTRIES: &str = "edgeinfer_cache_entries";
+pub const CACHE_BYTES: &str = "edgeinfer_cache_bytes";
+/// Entries dropped to stay within the byte bound, by `layer`.
+pub const CACHE_EVICTIONS: &str = "edgeinfer_cache_evictions_total";
+/// Disk entries that failed their checksum (and were deleted).
+pub const CACHE_CORRUPT: &str = "edgeinfer_cache_corrupt_entries_total";
+/// Stores that could not be opened and were moved aside.
+pub const CACHE_QUARANTINED: &str = "edgeinfer_cache_quarantined_stores_total";
+/// 1 while the disk layer works; an I/O error turns it to 0.
+pub const CACHE_DISK_ENABLED: &str = "edgeinfer_cache_disk_enabled";
+pub const CACHE_DISK_ERRORS: &str = "edgeinfer_cache_disk_errors_total";
+/// Answers not written to disk because the writer was too far behind.
+pub const CACHE_WRITES_DROPPED: &str = "edgeinfer_cache_writes_dropped_total";
 
 /// The timed stages of the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +101,24 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_gauge!(BUILD_INFO, "Always 1; labels say what runs");
     metrics::describe_gauge!(MODEL_INFO, "Always 1 per loaded model version");
     metrics::describe_gauge!(RESIDENT_MEMORY, metrics::Unit::Bytes, "Resident set size of the process");
+    metrics::describe_counter!(CACHE_LOOKUPS, "Cache lookups, by model and result");
+    metrics::describe_gauge!(CACHE_ENTRIES, "Entries in the cache, by layer");
+    metrics::describe_gauge!(CACHE_BYTES, metrics::Unit::Bytes, "Bytes held by the cache, by layer");
+    metrics::describe_counter!(CACHE_EVICTIONS, "Entries evicted to stay within the byte bound, by layer");
+    metrics::describe_counter!(
+        CACHE_CORRUPT,
+        "Disk cache entries that failed their checksum and were deleted"
+    );
+    metrics::describe_counter!(
+        CACHE_QUARANTINED,
+        "Disk cache stores moved aside because they could not be opened"
+    );
+    metrics::describe_gauge!(CACHE_DISK_ENABLED, "1 while the disk cache layer works");
+    metrics::describe_counter!(CACHE_DISK_ERRORS, "I/O errors that turned the disk cache layer off");
+    metrics::describe_counter!(
+        CACHE_WRITES_DROPPED,
+        "Answers not written to the disk cache because its writer lagged"
+    );
     metrics::gauge!(
         BUILD_INFO,
         "version" => env!("CARGO_PKG_VERSION"),

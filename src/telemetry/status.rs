@@ -24,6 +24,19 @@ pub struct Status {
     pub models: Vec<ModelStatus>,
     /// Requests answered since start, by model name.
     pub requests: std::collections::BTreeMap<String, u64>,
+    pub cache: CacheHealth,
+}
+
+/// The response cache as the status reports it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CacheHealth {
+    pub enabled: bool,
+    pub memory_entries: u64,
+    pub disk_enabled: bool,
+    pub disk_entries: u64,
+    /// What went wrong with the disk layer (a store moved aside, an I/O error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -46,6 +59,7 @@ impl Status {
             started_at,
             uptime_s: 0,
             requests: Default::default(),
+            cache: Default::default(),
             models: registry
                 .all()
                 .map(|m| ModelStatus {
@@ -60,19 +74,32 @@ impl Status {
     }
 
     pub fn with_state(&self, state: State) -> Vec<u8> {
-        self.snapshot(state, Default::default())
+        self.snapshot(state, Default::default(), self.cache.clone())
     }
 
-    /// The message as of now: `state`, uptime and the request counts.
-    pub fn snapshot(&self, state: State, requests: std::collections::BTreeMap<String, u64>) -> Vec<u8> {
+    /// The message as of now: `state`, uptime, request counts and the cache.
+    pub fn snapshot(
+        &self,
+        state: State,
+        requests: std::collections::BTreeMap<String, u64>,
+        cache: CacheHealth,
+    ) -> Vec<u8> {
         let mut s = self.clone();
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);
         s.requests = requests;
+        s.cache = cache;
         serde_json::to_vec(&s).expect("status serializes")
     }
 }
 
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    unix_now_ms() / 1000
+}
+
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }

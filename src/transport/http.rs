@@ -5,7 +5,7 @@ use crate::engine::{Engine, Target};
 use crate::protocol::{Encoding, ErrorReply, InferError};
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -35,6 +35,8 @@ pub fn router(
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_version))
+        .route("/cache/stats", get(cache_stats))
+        .route("/cache/purge", post(cache_purge))
         .with_state(AppState { engine, metrics, mqtt_ready })
 }
 
@@ -44,7 +46,50 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, service).with_graceful_shutdown(shutdown).await
+}
+
+/// Cache administration answers only this host (where `edgeinfer cache`
+/// runs), even when `http.listen` is open to the site for scrapes.
+fn refuse_remote(peer: std::net::SocketAddr) -> Option<Response> {
+    if peer.ip().is_loopback() {
+        None
+    } else {
+        let body = serde_json::json!({"error": format!("{peer}: cache administration is only answered on loopback; run edgeinfer cache on the node itself")});
+        Some((StatusCode::FORBIDDEN, axum::Json(body)).into_response())
+    }
+}
+
+async fn cache_stats(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+) -> Response {
+    if let Some(refused) = refuse_remote(peer) {
+        return refused;
+    }
+    axum::Json(state.engine.cache().stats()).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct PurgeQuery {
+    model: Option<String>,
+}
+
+async fn cache_purge(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    Query(q): Query<PurgeQuery>,
+) -> Response {
+    if let Some(refused) = refuse_remote(peer) {
+        return refused;
+    }
+    match state.engine.cache().purge(q.model.as_deref()).await {
+        Ok(n) => axum::Json(serde_json::json!({"purged_disk_entries": n, "model": q.model})).into_response(),
+        Err(e) => {
+            (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(serde_json::json!({"error": e}))).into_response()
+        }
+    }
 }
 
 async fn scrape(State(state): State<AppState>) -> Response {

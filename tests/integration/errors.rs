@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 fn engine(options: EngineOptions) -> Engine {
     let registry = Registry::load(&models_dir(), &RuntimeOptions::default()).unwrap();
-    Engine::new(Arc::new(registry), options)
+    Engine::new(Arc::new(registry), options, edgeinfer::engine::Cache::off())
 }
 
 fn rt() -> tokio::runtime::Runtime {

@@ -52,7 +52,7 @@ fn manifest_accuracy(registry: &Registry, model: &str, key: &str) -> f64 {
 #[test]
 fn int8_accuracy_matches_manifest_and_f32_twin_and_large_is_better() {
     let registry = registry();
-    let engine = Engine::new(registry.clone(), EngineOptions::default());
+    let engine = Engine::new(registry.clone(), EngineOptions::default(), edgeinfer::engine::Cache::off());
     let int8 = accuracy(&engine, "digits");
     let f32_twin = accuracy(&engine, "digits-f32");
     let large = accuracy(&engine, "digits-large");

@@ -181,7 +181,11 @@ impl MqttService {
         });
         let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
         if *self.ready_tx.borrow() {
-            let status = self.status.snapshot(State::Online, self.engine.request_counts());
+            let status = self.status.snapshot(
+                State::Online,
+                self.engine.request_counts(),
+                self.engine.cache().health(),
+            );
             let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
         }
     }
@@ -197,7 +201,8 @@ impl MqttService {
 
     /// Subscriptions are in place: status online, readiness, one log line.
     async fn announce_ready(&self, client: &AsyncClient, session: &str) {
-        let status = self.status.snapshot(State::Online, self.engine.request_counts());
+        let status =
+            self.status.snapshot(State::Online, self.engine.request_counts(), self.engine.cache().health());
         let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
         metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
         self.ready_tx.send_replace(true);

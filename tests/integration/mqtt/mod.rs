@@ -1,6 +1,7 @@
 //! `edgeinfer serve` against real brokers: the embedded one always, mosquitto
 //! where installed.
 
+mod cache;
 mod embedded;
 mod mosquitto;
 mod observability;

@@ -1,65 +1,12 @@
 //! /metrics, the HTTP v2 endpoints and readiness, on a real node.
 
 use super::labelled_request;
-use super::support::{Client, Mosquitto, Node, free_port_pair};
+use super::support::{
+    Client, Mosquitto, Node, embedded_node_with_http, free_port_pair, get_json, http, node_with_http, sample,
+};
 use serde_json::{Value, json};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::time::{Duration, Instant};
-
-/// One HTTP/1.1 request; returns the status and the body.
-pub fn http(port: u16, method: &str, path: &str, body: &[u8], content_type: &str) -> (u16, Vec<u8>) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("an HTTP response");
-    let status = std::str::from_utf8(&raw[9..12]).unwrap().parse().unwrap();
-    (status, raw[split + 4..].to_vec())
-}
-
-fn get_json(port: u16, path: &str) -> (u16, Value) {
-    let (status, body) = http(port, "GET", path, b"", "application/json");
-    (
-        status,
-        serde_json::from_slice(&body)
-            .unwrap_or_else(|e| panic!("{path}: {e}: {:?}", String::from_utf8_lossy(&body))),
-    )
-}
-
-/// The value of the sample whose name and labels contain every `needle`.
-fn sample(scrape: &str, needles: &[&str]) -> f64 {
-    let line = scrape
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| needles.iter().all(|n| l.contains(n)))
-        .unwrap_or_else(|| panic!("no sample with {needles:?} in:\n{scrape}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
-}
-
-/// A node serving HTTP on a free port; returns it and that port.
-fn node_with_http(url: &str, id: &str, env: &[(&str, &str)]) -> (Node, u16) {
-    let http_port = free_port_pair();
-    let listen = format!("127.0.0.1:{http_port}");
-    let mut all = vec![("EDGEINFER_HTTP__LISTEN", listen.as_str())];
-    all.extend_from_slice(env);
-    (Node::start(url, id, &all), http_port)
-}
-
-/// The same with its embedded broker; returns it, the MQTT port and the HTTP port.
-fn embedded_node_with_http(id: &str, env: &[(&str, &str)]) -> (Node, u16, u16) {
-    let port = free_port_pair();
-    let mut all = vec![("EDGEINFER_MQTT__EMBEDDED_BROKER", "true")];
-    all.extend_from_slice(env);
-    let (node, http_port) = node_with_http(&format!("mqtt://127.0.0.1:{port}"), id, &all);
-    (node, port, http_port)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {

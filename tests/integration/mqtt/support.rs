@@ -5,12 +5,66 @@ use bytes::Bytes;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+/// One HTTP/1.1 request; returns the status and the body.
+pub fn http(port: u16, method: &str, path: &str, body: &[u8], content_type: &str) -> (u16, Vec<u8>) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("an HTTP response");
+    let status = std::str::from_utf8(&raw[9..12]).unwrap().parse().unwrap();
+    (status, raw[split + 4..].to_vec())
+}
+
+pub fn get_json(port: u16, path: &str) -> (u16, serde_json::Value) {
+    let (status, body) = http(port, "GET", path, b"", "application/json");
+    (
+        status,
+        serde_json::from_slice(&body)
+            .unwrap_or_else(|e| panic!("{path}: {e}: {:?}", String::from_utf8_lossy(&body))),
+    )
+}
+
+/// The value of the sample whose name and labels contain every `needle`.
+pub fn sample(scrape: &str, needles: &[&str]) -> f64 {
+    let line = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| needles.iter().all(|n| l.contains(n)))
+        .unwrap_or_else(|| panic!("no sample with {needles:?} in:\n{scrape}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// A node serving HTTP on a free port; returns it and that port.
+pub fn node_with_http(url: &str, id: &str, env: &[(&str, &str)]) -> (Node, u16) {
+    let http_port = free_port_pair();
+    let listen = format!("127.0.0.1:{http_port}");
+    let mut all = vec![("EDGEINFER_HTTP__LISTEN", listen.as_str())];
+    all.extend_from_slice(env);
+    (Node::start(url, id, &all), http_port)
+}
+
+/// The same with its embedded broker; returns it, the MQTT port and the HTTP port.
+pub fn embedded_node_with_http(id: &str, env: &[(&str, &str)]) -> (Node, u16, u16) {
+    let port = free_port_pair();
+    let mut all = vec![("EDGEINFER_MQTT__EMBEDDED_BROKER", "true")];
+    all.extend_from_slice(env);
+    let (node, http_port) = node_with_http(&format!("mqtt://127.0.0.1:{port}"), id, &all);
+    (node, port, http_port)
+}
 
 /// A port with its successor free too (the embedded broker's 3.1.1 listener).
 pub fn free_port_pair() -> u16 {
@@ -99,6 +153,8 @@ pub struct Node {
     lines: std_mpsc::Receiver<String>,
     /// Everything the node logged so far.
     pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// A fresh state directory (the cache store) unless the test gave one.
+    _state: Option<tempfile::TempDir>,
 }
 
 impl Node {
@@ -109,9 +165,14 @@ impl Node {
         let bin =
             std::env::var("EDGEINFER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_edgeinfer").into());
         let mut cmd = Command::new(bin);
+        let models = env
+            .iter()
+            .find(|(k, _)| *k == "EDGEINFER_NODE__MODELS_DIR")
+            .map(|(_, v)| std::path::PathBuf::from(v))
+            .unwrap_or_else(models_dir);
         cmd.arg("serve")
             .arg("--models-dir")
-            .arg(models_dir())
+            .arg(models)
             .arg("--log")
             .arg(
                 env.iter()
@@ -130,6 +191,13 @@ impl Node {
         if !id.is_empty() {
             cmd.env("EDGEINFER_NODE__ID", id);
         }
+        let state = if env.iter().any(|(k, _)| *k == "EDGEINFER_NODE__STATE_DIR") {
+            None
+        } else {
+            let dir = tempfile::tempdir().unwrap();
+            cmd.env("EDGEINFER_NODE__STATE_DIR", dir.path());
+            Some(dir)
+        };
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -145,7 +213,7 @@ impl Node {
                 let _ = tx.send(line);
             }
         });
-        let node = Node { child, id: id.into(), lines, log };
+        let node = Node { child, id: id.into(), lines, log, _state: state };
         node.wait_for_line("MQTT connected", Duration::from_secs(30));
         node
     }

@@ -1,0 +1,143 @@
+//! `edgeinfer cache stats|purge`: against the running node through its
+//! local HTTP endpoint (the store is locked while a node has it open), or
+//! straight on the store when no node is running.
+
+use crate::config::Config;
+use crate::engine::cache::{Cache, CacheOptions, CacheStats};
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error(
+        "the cache store {path} is held by a running node, but {url} did not answer ({reason}); \
+         give the node's HTTP address with --url, or set http.listen"
+    )]
+    Busy { path: PathBuf, url: String, reason: String },
+    #[error("{url} answered {status}: {body}")]
+    Refused { url: String, status: u16, body: String },
+    #[error("{url}: {reason}")]
+    Http { url: String, reason: String },
+    #[error("the cache store: {0}")]
+    Store(String),
+}
+
+/// Where an answer came from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Node(String),
+    Store(PathBuf),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Node(url) => write!(f, "running node at {url}"),
+            Source::Store(path) => write!(f, "store {} (no node running)", path.display()),
+        }
+    }
+}
+
+pub async fn cache_stats(config: &Config, url: Option<&str>) -> Result<(CacheStats, Source), AdminError> {
+    let base = base_url(config, url);
+    let mut no_node = None;
+    if let Some(base) = &base {
+        let url = format!("{base}/cache/stats");
+        match send(reqwest::Client::new().get(&url), &url).await {
+            Ok(body) => {
+                let stats = serde_json::from_str(&body).map_err(|e| AdminError::Http {
+                    url: url.clone(),
+                    reason: format!("unexpected answer: {e}"),
+                })?;
+                return Ok((stats, Source::Node(base.clone())));
+            }
+            Err(Attempt::Failed(e)) => return Err(e),
+            Err(Attempt::NoNode(reason)) => no_node = Some(reason),
+        }
+    }
+    let cache = open_store(config, base.as_deref(), no_node).await?;
+    Ok((cache.stats(), Source::Store(config.node.state_dir.join("cache"))))
+}
+
+pub async fn cache_purge(
+    config: &Config,
+    url: Option<&str>,
+    model: Option<&str>,
+) -> Result<(u64, Source), AdminError> {
+    let base = base_url(config, url);
+    let mut no_node = None;
+    if let Some(base) = &base {
+        let url = format!("{base}/cache/purge");
+        let mut request = reqwest::Client::new().post(&url);
+        if let Some(m) = model {
+            request = request.query(&[("model", m)]);
+        }
+        match send(request, &url).await {
+            Ok(body) => {
+                let answer: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
+                    AdminError::Http { url: url.clone(), reason: format!("unexpected answer: {e}") }
+                })?;
+                let n = answer["purged_disk_entries"].as_u64().unwrap_or(0);
+                return Ok((n, Source::Node(base.clone())));
+            }
+            Err(Attempt::Failed(e)) => return Err(e),
+            Err(Attempt::NoNode(reason)) => no_node = Some(reason),
+        }
+    }
+    let cache = open_store(config, base.as_deref(), no_node).await?;
+    let n = cache.purge(model).await.map_err(AdminError::Store)?;
+    Ok((n, Source::Store(config.node.state_dir.join("cache"))))
+}
+
+fn base_url(config: &Config, url: Option<&str>) -> Option<String> {
+    match url {
+        Some(u) => Some(u.trim_end_matches('/').to_string()),
+        None if config.http.listen.is_empty() => None,
+        None => Some(format!("http://{}", config.http.listen)),
+    }
+}
+
+enum Attempt {
+    /// Nothing listens there: no node is running (as far as HTTP tells).
+    NoNode(String),
+    Failed(AdminError),
+}
+
+async fn send(request: reqwest::RequestBuilder, url: &str) -> Result<String, Attempt> {
+    let response = request.timeout(std::time::Duration::from_secs(10)).send().await.map_err(|e| {
+        if e.is_connect() {
+            Attempt::NoNode(e.to_string())
+        } else {
+            Attempt::Failed(AdminError::Http { url: url.into(), reason: e.to_string() })
+        }
+    })?;
+    let status = response.status();
+    let body = response
+        .text()
+        .await
+        .map_err(|e| Attempt::Failed(AdminError::Http { url: url.into(), reason: e.to_string() }))?;
+    if !status.is_success() {
+        return Err(Attempt::Failed(AdminError::Refused { url: url.into(), status: status.as_u16(), body }));
+    }
+    Ok(body)
+}
+
+/// The store itself, once its writer has counted what it holds.
+async fn open_store(config: &Config, url: Option<&str>, reason: Option<String>) -> Result<Cache, AdminError> {
+    let options = CacheOptions::from_config(config);
+    let path = options.dir.clone();
+    let cache = Cache::open(CacheOptions { enabled: true, ..options });
+    let health = cache.health();
+    if !health.disk_enabled {
+        let problem = health.problem.unwrap_or_else(|| "cache.disk_bytes is 0".into());
+        if problem.contains("in use by another process") {
+            return Err(AdminError::Busy {
+                path,
+                url: url.unwrap_or("(no http.listen)").into(),
+                reason: reason.unwrap_or_else(|| "no address to ask".into()),
+            });
+        }
+        return Err(AdminError::Store(problem));
+    }
+    cache.flush().await;
+    Ok(cache)
+}

@@ -1,0 +1,597 @@
+//! The disk layer: a sled store under `node.state_dir/cache`.
+//!
+//! Requests only read it. Every write (store, remove, evict, sweep, purge)
+//! goes through one writer thread, so the byte count it keeps is exact and
+//! a slow disk never holds up a reply. Each record carries a checksum over
+//! its key and contents: a record torn by a crash, or damaged on disk, is
+//! detected on read, deleted and counted, never served.
+
+use super::Key;
+use crate::telemetry;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Writes waiting for the writer; beyond it new entries are dropped (the
+/// answer is still in memory) and counted.
+const QUEUE: usize = 4096;
+/// sled's own page cache: kept small, the memory layer is the hot one.
+const PAGE_CACHE_BYTES: u64 = 8 * 1024 * 1024;
+const ORDER_TREE: &[u8] = b"order";
+const MODEL_TREE_PREFIX: &str = "m:";
+
+/// One stored answer, postcard-encoded as the sled value.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    /// Insertion number: the eviction order.
+    seq: u64,
+    stored_at_ms: u64,
+    expires_at_ms: u64,
+    checksum: u64,
+    /// The reply, postcard-encoded.
+    body: Vec<u8>,
+}
+
+impl Record {
+    fn checksum(key: &Key, stored_at_ms: u64, expires_at_ms: u64, body: &[u8]) -> u64 {
+        let mut h = Sha256::new();
+        h.update(key.0);
+        h.update(stored_at_ms.to_le_bytes());
+        h.update(expires_at_ms.to_le_bytes());
+        h.update(body);
+        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+    }
+
+    /// The record under `key`, if its bytes decode and its checksum holds.
+    fn decode(key: &Key, bytes: &[u8]) -> Option<Record> {
+        let r: Record = postcard::from_bytes(bytes).ok()?;
+        (r.checksum == Record::checksum(key, r.stored_at_ms, r.expires_at_ms, &r.body)).then_some(r)
+    }
+}
+
+/// What a read found.
+pub enum Read {
+    Hit { body: Vec<u8>, expires_at_ms: u64 },
+    Miss,
+}
+
+/// Where the disk layer stands, for status and `cache stats`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DiskStats {
+    pub enabled: bool,
+    pub entries: u64,
+    /// Bytes of keys and records the bound counts.
+    pub bytes: u64,
+    pub capacity_bytes: u64,
+    /// What sled's files take, garbage included.
+    pub size_on_disk: u64,
+    pub path: PathBuf,
+    /// Why the layer is off, or what happened when it was opened.
+    pub problem: Option<String>,
+}
+
+struct Shared {
+    enabled: AtomicBool,
+    entries: AtomicU64,
+    bytes: AtomicU64,
+    problem: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// Only the writer changes the counts; saturating keeps a miscount
+    /// (a record removed twice) from wrapping.
+    fn sub_bytes(&self, n: u64) {
+        let _ = self.bytes.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_sub(n)));
+    }
+
+    /// Turns the layer off for the rest of the process: serving goes on from
+    /// memory and the model.
+    fn disable(&self, why: String) {
+        if self.enabled.swap(false, Ordering::SeqCst) {
+            tracing::error!("disk cache disabled: {why}; serving continues without it");
+            metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(0.0);
+            metrics::counter!(telemetry::CACHE_DISK_ERRORS).increment(1);
+        }
+        *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+}
+
+enum Op {
+    Put { model: String, key: Key, stored_at_ms: u64, expires_at_ms: u64, body: Vec<u8> },
+    Remove { model: String, key: Key },
+    Purge { model: Option<String>, done: tokio::sync::oneshot::Sender<Result<u64, String>> },
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
+pub struct Disk {
+    db: sled::Db,
+    path: PathBuf,
+    capacity: u64,
+    shared: Arc<Shared>,
+    ops: SyncSender<Op>,
+}
+
+impl Disk {
+    /// Opens (or creates) the store at `path`. A store that cannot be opened
+    /// is moved aside and replaced by a fresh one; only when even that fails
+    /// (or another process holds the store) is there no disk layer.
+    pub fn open(path: &Path, capacity: u64, sweep: Duration) -> Result<Disk, String> {
+        let mut problem = None;
+        let db = match open_db(path) {
+            Ok(db) => db,
+            Err(Refused::Locked(e)) => return Err(e),
+            Err(Refused::Broken(e)) => {
+                let aside = quarantine_path(path);
+                std::fs::rename(path, &aside)
+                    .map_err(|r| format!("{e}; moving it aside to {} failed too: {r}", aside.display()))?;
+                let why = format!("{e}; moved it aside to {} and started a fresh store", aside.display());
+                tracing::error!("cache store {}: {why}", path.display());
+                metrics::counter!(telemetry::CACHE_QUARANTINED).increment(1);
+                problem = Some(why);
+                open_db(path).map_err(|e| match e {
+                    Refused::Locked(e) | Refused::Broken(e) => e,
+                })?
+            }
+        };
+        let shared = Arc::new(Shared {
+            enabled: AtomicBool::new(true),
+            entries: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            problem: Mutex::new(problem),
+        });
+        metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
+        let (ops, rx) = std::sync::mpsc::sync_channel(QUEUE);
+        let writer = Writer { db: db.clone(), capacity, shared: shared.clone(), seq: 0 };
+        std::thread::Builder::new()
+            .name("cache-writer".into())
+            .spawn(move || writer.run(rx, sweep))
+            .map_err(|e| format!("cannot start the cache writer thread: {e}"))?;
+        Ok(Disk { db, path: path.to_path_buf(), capacity, shared, ops })
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.shared.enabled.load(Ordering::Relaxed)
+    }
+
+    /// The live record under `key`; a damaged one is deleted, counted and
+    /// reported as a miss.
+    pub fn get(&self, model: &str, key: &Key, now_ms: u64) -> Read {
+        if !self.enabled() {
+            return Read::Miss;
+        }
+        let tree = tree_name(model);
+        let got = std::panic::catch_unwind(AssertUnwindSafe(|| self.db.open_tree(&tree)?.get(key.0)));
+        let bytes = match got {
+            Ok(Ok(Some(bytes))) => bytes,
+            Ok(Ok(None)) => return Read::Miss,
+            Ok(Err(e)) => {
+                self.shared.disable(format!("reading {}: {e}", self.path.display()));
+                return Read::Miss;
+            }
+            Err(_) => {
+                self.shared.disable(format!("reading {}: sled panicked", self.path.display()));
+                return Read::Miss;
+            }
+        };
+        match Record::decode(key, &bytes) {
+            Some(r) if r.expires_at_ms > now_ms => Read::Hit { body: r.body, expires_at_ms: r.expires_at_ms },
+            Some(_) => Read::Miss,
+            None => {
+                tracing::warn!("cache entry {} of model {model} failed its checksum; deleted", key.hex());
+                metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
+                self.send(Op::Remove { model: model.to_string(), key: *key });
+                Read::Miss
+            }
+        }
+    }
+
+    /// Queues an answer for the writer; never blocks.
+    pub fn put(&self, model: &str, key: Key, stored_at_ms: u64, expires_at_ms: u64, body: Vec<u8>) {
+        if self.enabled() {
+            self.send(Op::Put { model: model.to_string(), key, stored_at_ms, expires_at_ms, body });
+        }
+    }
+
+    /// Removes every entry (of one model, or all); answers how many went.
+    pub async fn purge(&self, model: Option<&str>) -> Result<u64, String> {
+        let (done, rx) = tokio::sync::oneshot::channel();
+        self.ops
+            .send(Op::Purge { model: model.map(str::to_string), done })
+            .map_err(|_| "the cache writer has stopped".to_string())?;
+        rx.await.map_err(|_| "the cache writer has stopped".to_string())?
+    }
+
+    /// Waits until every queued write is on disk.
+    pub async fn flush(&self) {
+        let (done, rx) = tokio::sync::oneshot::channel();
+        if self.ops.send(Op::Flush(done)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    pub fn stats(&self) -> DiskStats {
+        DiskStats {
+            enabled: self.enabled(),
+            entries: self.shared.entries.load(Ordering::Relaxed),
+            bytes: self.shared.bytes.load(Ordering::Relaxed),
+            capacity_bytes: self.capacity,
+            size_on_disk: self.db.size_on_disk().unwrap_or(0),
+            path: self.path.clone(),
+            problem: self.shared.problem.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        }
+    }
+
+    fn send(&self, op: Op) {
+        if let Err(TrySendError::Full(_)) = self.ops.try_send(op) {
+            metrics::counter!(telemetry::CACHE_WRITES_DROPPED).increment(1);
+        }
+    }
+}
+
+enum Refused {
+    /// Another process has the store open: leave it alone.
+    Locked(String),
+    /// The store is damaged or unreadable.
+    Broken(String),
+}
+
+fn open_db(path: &Path) -> Result<sled::Db, Refused> {
+    let config = sled::Config::new().path(path).cache_capacity(PAGE_CACHE_BYTES).mode(sled::Mode::LowSpace);
+    // sled can panic on some kinds of damage rather than return an error.
+    match std::panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
+        Ok(Ok(db)) => Ok(db),
+        Ok(Err(sled::Error::Io(e))) if e.to_string().contains("could not acquire lock") => {
+            Err(Refused::Locked(format!(
+                "{} is in use by another process (another edgeinfer node?)",
+                path.display()
+            )))
+        }
+        Ok(Err(e)) => Err(Refused::Broken(format!("cannot open {}: {e}", path.display()))),
+        Err(_) => Err(Refused::Broken(format!("cannot open {}: sled panicked reading it", path.display()))),
+    }
+}
+
+fn quarantine_path(path: &Path) -> PathBuf {
+    let stamp = crate::telemetry::unix_now();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "cache".into());
+    let mut aside = path.with_file_name(format!("{name}.quarantined-{stamp}"));
+    let mut n = 1;
+    while aside.exists() {
+        aside = path.with_file_name(format!("{name}.quarantined-{stamp}-{n}"));
+        n += 1;
+    }
+    aside
+}
+
+fn tree_name(model: &str) -> String {
+    format!("{MODEL_TREE_PREFIX}{model}")
+}
+
+/// What one entry counts against the bound: its key and record, and its
+/// place in the eviction order.
+fn footprint(tree: &[u8], record_len: usize) -> u64 {
+    (32 + record_len + 8 + tree.len() + 32) as u64
+}
+
+/// The one owner of every write to the store.
+struct Writer {
+    db: sled::Db,
+    capacity: u64,
+    shared: Arc<Shared>,
+    seq: u64,
+}
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Op>, sweep: Duration) {
+        if let Err(e) = self.count() {
+            self.shared.disable(format!("scanning the store: {e}"));
+        }
+        let mut next_sweep = Instant::now() + sweep;
+        loop {
+            let op = match rx.recv_timeout(next_sweep.saturating_duration_since(Instant::now())) {
+                Ok(op) => op,
+                Err(RecvTimeoutError::Timeout) => {
+                    next_sweep = Instant::now() + sweep;
+                    self.guard("sweeping expired entries", |w| w.sweep(crate::telemetry::unix_now_ms()));
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let _ = self.db.flush();
+                    return;
+                }
+            };
+            match op {
+                Op::Put { model, key, stored_at_ms, expires_at_ms, body } => {
+                    self.guard("writing an entry", |w| w.put(&model, &key, stored_at_ms, expires_at_ms, body))
+                }
+                Op::Remove { model, key } => self.guard("removing an entry", |w| w.remove(&model, &key)),
+                Op::Purge { model, done } => {
+                    let result = self.purge(model.as_deref()).map_err(|e| e.to_string());
+                    let _ = done.send(result);
+                }
+                Op::Flush(done) => {
+                    if self.live()
+                        && let Err(e) = self.db.flush()
+                    {
+                        self.shared.disable(format!("flushing: {e}"));
+                    }
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    fn live(&self) -> bool {
+        self.shared.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Runs a write; an I/O error (a full disk, a failing card) turns the
+    /// layer off instead of failing requests.
+    fn guard(&mut self, what: &str, f: impl FnOnce(&mut Self) -> sled::Result<()>) {
+        if !self.live() {
+            return;
+        }
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.shared.disable(format!("{what}: {e}")),
+            Err(_) => self.shared.disable(format!("{what}: sled panicked")),
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "disk")
+            .set(self.shared.entries.load(Ordering::Relaxed) as f64);
+        metrics::gauge!(telemetry::CACHE_BYTES, "layer" => "disk")
+            .set(self.shared.bytes.load(Ordering::Relaxed) as f64);
+    }
+
+    fn model_trees(&self) -> Vec<sled::IVec> {
+        self.db.tree_names().into_iter().filter(|n| n.starts_with(MODEL_TREE_PREFIX.as_bytes())).collect()
+    }
+
+    /// Recounts entries and bytes, dropping damaged records on the way.
+    fn count(&mut self) -> sled::Result<()> {
+        let (mut entries, mut bytes) = (0, 0);
+        let mut seq = 0;
+        for name in self.model_trees() {
+            let tree = self.db.open_tree(&name)?;
+            for item in tree.iter() {
+                let (k, v) = item?;
+                let key = Key(k.as_ref().try_into().unwrap_or([0; 32]));
+                match Record::decode(&key, &v) {
+                    Some(r) if k.len() == 32 => {
+                        entries += 1;
+                        bytes += footprint(&name, v.len());
+                        seq = seq.max(r.seq);
+                    }
+                    _ => {
+                        metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
+                        tree.remove(&k)?;
+                    }
+                }
+            }
+        }
+        self.seq = self.seq.max(seq + 1);
+        self.shared.entries.store(entries, Ordering::Relaxed);
+        self.shared.bytes.store(bytes, Ordering::Relaxed);
+        self.publish();
+        Ok(())
+    }
+
+    fn put(
+        &mut self,
+        model: &str,
+        key: &Key,
+        stored_at_ms: u64,
+        expires_at_ms: u64,
+        body: Vec<u8>,
+    ) -> sled::Result<()> {
+        let name = tree_name(model);
+        let tree = self.db.open_tree(&name)?;
+        let seq = self.seq;
+        self.seq += 1;
+        let checksum = Record::checksum(key, stored_at_ms, expires_at_ms, &body);
+        let record = Record { seq, stored_at_ms, expires_at_ms, checksum, body };
+        let bytes = postcard::to_stdvec(&record).expect("a record always encodes");
+        let size = footprint(name.as_bytes(), bytes.len());
+        if size > self.capacity {
+            return Ok(());
+        }
+        let mut order_value = name.as_bytes().to_vec();
+        order_value.extend_from_slice(&key.0);
+        self.db.open_tree(ORDER_TREE)?.insert(seq.to_be_bytes(), order_value)?;
+        match tree.insert(key.0, bytes)? {
+            Some(old) => self.forget(name.as_bytes(), key, &old)?,
+            None => {
+                self.shared.entries.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.shared.bytes.fetch_add(size, Ordering::Relaxed);
+        self.evict()
+    }
+
+    /// Accounts for a record that was replaced or removed.
+    fn forget(&self, tree: &[u8], key: &Key, old: &[u8]) -> sled::Result<()> {
+        self.shared.sub_bytes(footprint(tree, old.len()));
+        if let Some(r) = Record::decode(key, old) {
+            self.db.open_tree(ORDER_TREE)?.remove(r.seq.to_be_bytes())?;
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, model: &str, key: &Key) -> sled::Result<()> {
+        let name = tree_name(model);
+        if let Some(old) = self.db.open_tree(&name)?.remove(key.0)? {
+            self.forget(name.as_bytes(), key, &old)?;
+            self.shared.entries.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Drops the oldest entries until the store is within its bound.
+    fn evict(&mut self) -> sled::Result<()> {
+        let order = self.db.open_tree(ORDER_TREE)?;
+        while self.shared.bytes.load(Ordering::Relaxed) > self.capacity {
+            let Some((_, place)) = order.pop_min()? else { break };
+            if place.len() < 32 {
+                continue;
+            }
+            let (tree, key) = place.split_at(place.len() - 32);
+            let key = Key(key.try_into().expect("32 bytes"));
+            let t = self.db.open_tree(tree)?;
+            if let Some(old) = t.remove(key.0)? {
+                self.shared.sub_bytes(footprint(tree, old.len()));
+                self.shared.entries.fetch_sub(1, Ordering::Relaxed);
+                metrics::counter!(telemetry::CACHE_EVICTIONS, "layer" => "disk").increment(1);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes expired and damaged entries.
+    fn sweep(&mut self, now_ms: u64) -> sled::Result<()> {
+        for name in self.model_trees() {
+            let tree = self.db.open_tree(&name)?;
+            for item in tree.iter() {
+                let (k, v) = item?;
+                let key = Key(k.as_ref().try_into().unwrap_or([0; 32]));
+                match Record::decode(&key, &v) {
+                    Some(r) if r.expires_at_ms > now_ms => continue,
+                    Some(_) => {}
+                    None => metrics::counter!(telemetry::CACHE_CORRUPT).increment(1),
+                }
+                if let Some(old) = tree.remove(&k)? {
+                    self.forget(&name, &key, &old)?;
+                    self.shared.entries.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn purge(&mut self, model: Option<&str>) -> sled::Result<u64> {
+        if !self.live() {
+            return Err(sled::Error::Unsupported("the disk cache is disabled".into()));
+        }
+        let names: Vec<sled::IVec> = match model {
+            Some(m) => vec![tree_name(m).into_bytes().into()],
+            None => self.model_trees(),
+        };
+        let mut removed = 0;
+        for name in &names {
+            let tree = self.db.open_tree(name)?;
+            removed += tree.len() as u64;
+            tree.clear()?;
+        }
+        // Order records of purged entries are skipped when they come up.
+        if model.is_none() {
+            self.db.open_tree(ORDER_TREE)?.clear()?;
+        }
+        self.count()?;
+        self.db.flush()?;
+        Ok(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u32) -> Key {
+        let mut k = [0u8; 32];
+        k[..4].copy_from_slice(&i.to_le_bytes());
+        Key(k)
+    }
+
+    fn open(dir: &Path, capacity: u64) -> Disk {
+        Disk::open(&dir.join("cache"), capacity, Duration::from_secs(3600)).unwrap()
+    }
+
+    fn body(i: u32) -> Vec<u8> {
+        format!("answer {i}").into_bytes().repeat(10)
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().build().unwrap()
+    }
+
+    #[test]
+    fn a_record_that_fails_its_checksum_is_a_miss_and_is_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = open(dir.path(), 1 << 20);
+        disk.put("m", key(1), 10, u64::MAX, body(1));
+        rt().block_on(disk.flush());
+        assert!(matches!(disk.get("m", &key(1), 20), Read::Hit { .. }));
+        // Flip one byte of the stored record, as a torn write or a bad card would.
+        let tree = disk.db.open_tree(tree_name("m")).unwrap();
+        let mut bytes = tree.get(key(1).0).unwrap().unwrap().to_vec();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        tree.insert(key(1).0, bytes).unwrap();
+        assert!(matches!(disk.get("m", &key(1), 20), Read::Miss));
+        rt().block_on(disk.flush());
+        assert_eq!(tree.get(key(1).0).unwrap(), None, "the damaged record is gone");
+        assert_eq!(disk.stats().entries, 0);
+    }
+
+    #[test]
+    fn eviction_keeps_the_bytes_within_the_bound_and_drops_the_oldest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let capacity = 4096;
+        let disk = open(dir.path(), capacity);
+        for i in 0..200 {
+            disk.put("m", key(i), 10, u64::MAX, body(i));
+        }
+        rt().block_on(disk.flush());
+        let stats = disk.stats();
+        assert!(stats.bytes <= capacity && stats.bytes > capacity / 2, "{stats:?}");
+        assert!(stats.entries > 5 && stats.entries < 200, "{stats:?}");
+        assert!(matches!(disk.get("m", &key(199), 20), Read::Hit { .. }), "the newest stays");
+        assert!(matches!(disk.get("m", &key(0), 20), Read::Miss), "the oldest went");
+    }
+
+    #[test]
+    fn expired_records_are_misses_and_the_sweep_removes_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = Disk::open(&dir.path().join("cache"), 1 << 20, Duration::from_millis(50)).unwrap();
+        let now = crate::telemetry::unix_now_ms();
+        disk.put("m", key(1), now, now + 1, body(1));
+        disk.put("m", key(2), now, now + 3_600_000, body(2));
+        rt().block_on(disk.flush());
+        assert!(matches!(disk.get("m", &key(1), now + 2), Read::Miss));
+        std::thread::sleep(Duration::from_millis(200));
+        rt().block_on(disk.flush());
+        assert_eq!(disk.stats().entries, 1, "{:?}", disk.stats());
+        assert!(matches!(disk.get("m", &key(2), now + 2), Read::Hit { .. }));
+    }
+
+    #[test]
+    fn counts_survive_a_reopen_and_purge_by_model_leaves_the_others() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let disk = open(dir.path(), 1 << 20);
+            for i in 0..10 {
+                disk.put(if i % 2 == 0 { "a" } else { "b" }, key(i), 10, u64::MAX, body(i));
+            }
+            rt().block_on(disk.flush());
+        }
+        // The writer thread lets go of the store when the sender is dropped.
+        std::thread::sleep(Duration::from_millis(300));
+        let disk = open(dir.path(), 1 << 20);
+        rt().block_on(disk.flush());
+        let before = disk.stats();
+        assert_eq!(before.entries, 10);
+        assert_eq!(rt().block_on(disk.purge(Some("a"))), Ok(5));
+        let after = disk.stats();
+        assert_eq!(after.entries, 5);
+        assert!(after.bytes < before.bytes);
+        assert!(matches!(disk.get("b", &key(1), 20), Read::Hit { .. }));
+        assert!(matches!(disk.get("a", &key(0), 20), Read::Miss));
+    }
+}

@@ -1,0 +1,143 @@
+//! The cache key: sha256 over everything that decides an answer, and nothing
+//! that does not (never `id`, `reply_to`, `deadline_ms`, `tier` or `cache`).
+
+use crate::model::LoadedModel;
+use crate::protocol::{InferRequest, TensorData};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(pub [u8; 32]);
+
+impl Key {
+    /// The key of `req` answered by `model`, whose single input the model
+    /// receives as `input` (typed and scaled by preprocessing, so a JSON and a
+    /// postcard request with the same values share one entry).
+    pub fn new(model: &LoadedModel, req: &InferRequest, input: &TensorData) -> Key {
+        let mut h = Sha256::new();
+        // Every variable-length part is length-prefixed, so no two different
+        // requests can hash the same bytes.
+        let text = |h: &mut Sha256, s: &str| {
+            h.update((s.len() as u64).to_le_bytes());
+            h.update(s.as_bytes());
+        };
+        text(&mut h, "edgeinfer-cache-v1");
+        text(&mut h, model.name());
+        text(&mut h, model.version());
+        // Parameters that change the reply.
+        match req.parameters.top_k.filter(|&k| k > 0) {
+            Some(k) => h.update([1].iter().chain(&k.to_le_bytes()).copied().collect::<Vec<u8>>()),
+            None => h.update([0]),
+        }
+        let mut outputs: Vec<&str> = req.outputs.iter().map(|o| o.name.as_str()).collect();
+        outputs.sort_unstable();
+        outputs.dedup();
+        h.update((outputs.len() as u64).to_le_bytes());
+        for o in outputs {
+            text(&mut h, o);
+        }
+        let spec = &model.manifest.input;
+        h.update((req.inputs.len() as u64).to_le_bytes());
+        for tensor in &req.inputs {
+            text(&mut h, &tensor.name);
+            text(&mut h, spec.datatype.as_str());
+            h.update((tensor.shape.len() as u64).to_le_bytes());
+            for d in &tensor.shape {
+                h.update(d.to_le_bytes());
+            }
+        }
+        h.update((input.len() as u64).to_le_bytes());
+        hash_elements(&mut h, input);
+        Key(h.finalize().into())
+    }
+
+    pub fn hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+fn hash_elements(h: &mut Sha256, data: &TensorData) {
+    // Little-endian bytes of each element: the same on every target.
+    match data {
+        TensorData::F32(v) => v.iter().for_each(|x| h.update(x.to_le_bytes())),
+        TensorData::F64(v) | TensorData::Number(v) => v.iter().for_each(|x| h.update(x.to_le_bytes())),
+        TensorData::I8(v) => v.iter().for_each(|x| h.update(x.to_le_bytes())),
+        TensorData::U8(v) => h.update(v),
+        TensorData::I32(v) => v.iter().for_each(|x| h.update(x.to_le_bytes())),
+        TensorData::I64(v) => v.iter().for_each(|x| h.update(x.to_le_bytes())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RuntimeOptions;
+    use crate::protocol::{InputTensor, RequestedOutput};
+
+    fn digits() -> LoadedModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
+        LoadedModel::load(&dir, &RuntimeOptions::default()).unwrap()
+    }
+
+    fn request() -> InferRequest {
+        InferRequest {
+            id: "a".into(),
+            reply_to: None,
+            inputs: vec![InputTensor {
+                name: "input".into(),
+                shape: vec![1, 64],
+                datatype: "FP32".into(),
+                data: TensorData::Number(vec![1.0; 64]),
+            }],
+            outputs: vec![],
+            parameters: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_key_covers_what_decides_the_answer_and_nothing_else() {
+        let model = digits();
+        let input = TensorData::F32(vec![0.0625; 64]);
+        let base = Key::new(&model, &request(), &input);
+
+        let mut same = request();
+        same.id = "b".into();
+        same.reply_to = Some("x/y".into());
+        same.parameters.deadline_ms = Some(10);
+        same.parameters.cache = Some(true);
+        same.parameters.tier = Some(crate::protocol::Tier::Fast);
+        assert_eq!(
+            Key::new(&model, &same, &input),
+            base,
+            "id, reply_to, deadline, cache and tier are not in it"
+        );
+
+        let mut top = request();
+        top.parameters.top_k = Some(3);
+        assert_ne!(Key::new(&model, &top, &input), base, "top_k changes the reply");
+        top.parameters.top_k = Some(0);
+        assert_eq!(Key::new(&model, &top, &input), base, "top_k 0 asks for no list, like none");
+
+        let mut outputs = request();
+        outputs.outputs = vec![RequestedOutput { name: "probabilities".into() }];
+        assert_ne!(Key::new(&model, &outputs, &input), base, "requested outputs change the reply");
+
+        let mut other = input.clone();
+        if let TensorData::F32(v) = &mut other {
+            v[63] = 0.125;
+        }
+        assert_ne!(Key::new(&model, &request(), &other), base, "one element differs");
+
+        let mut renamed = request();
+        renamed.inputs[0].shape = vec![64, 1];
+        assert_ne!(Key::new(&model, &renamed, &input), base, "shape is in it");
+    }
+
+    #[test]
+    fn the_version_is_in_the_key() {
+        let v1 = digits();
+        let mut v2 = digits();
+        v2.manifest.version = "2".into();
+        let input = TensorData::F32(vec![0.0; 64]);
+        assert_ne!(Key::new(&v1, &request(), &input), Key::new(&v2, &request(), &input));
+    }
+}

@@ -1,0 +1,256 @@
+//! Stage between preprocess and batch: answers already known.
+//!
+//! A memory layer (hot entries, bounded by bytes) over a disk layer (sled in
+//! `node.state_dir/cache`, bounded by bytes, surviving restarts). A disk hit
+//! is promoted to memory. Identical concurrent misses run the model once.
+//! Only successful answers are stored, and only for models with a TTL.
+
+mod disk;
+mod key;
+mod memory;
+
+pub use disk::DiskStats;
+pub use key::Key;
+
+use crate::config::Config;
+use crate::protocol::postcard::WireResponse;
+use crate::protocol::{CacheStatus, InferResponse};
+use crate::telemetry::{self, CacheHealth};
+use memory::{Flight, Found, Memory};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct CacheOptions {
+    pub enabled: bool,
+    pub memory_bytes: u64,
+    /// 0: no disk layer.
+    pub disk_bytes: u64,
+    /// The store's directory.
+    pub dir: PathBuf,
+    pub default_ttl: Duration,
+    /// TTL by model name; zero: that model's answers are not cached.
+    pub model_ttl: HashMap<String, Duration>,
+    pub sweep_interval: Duration,
+}
+
+impl CacheOptions {
+    pub fn from_config(config: &Config) -> CacheOptions {
+        let c = &config.cache;
+        CacheOptions {
+            enabled: c.enabled,
+            memory_bytes: c.memory_bytes,
+            disk_bytes: c.disk_bytes,
+            dir: config.node.state_dir.join("cache"),
+            default_ttl: Duration::from_secs(c.ttl_s),
+            model_ttl: config.models.keys().map(|m| (m.clone(), config.cache_ttl(m))).collect(),
+            sweep_interval: Duration::from_secs(c.sweep_interval_s.max(1)),
+        }
+    }
+
+    /// No cache at all (one-shot commands, tests of the bare pipeline).
+    pub fn off() -> CacheOptions {
+        CacheOptions {
+            enabled: false,
+            memory_bytes: 0,
+            disk_bytes: 0,
+            dir: PathBuf::new(),
+            default_ttl: Duration::ZERO,
+            model_ttl: HashMap::new(),
+            sweep_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A cached answer, shared by the layers and every request it serves.
+#[derive(Debug)]
+pub struct Entry {
+    /// The reply with an empty `id`.
+    response: InferResponse,
+    expires_at_ms: u64,
+    /// Bytes it stands for in the memory bound.
+    weight: u64,
+}
+
+impl Entry {
+    fn live_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms > now_ms
+    }
+}
+
+/// Per-entry bookkeeping on top of the encoded reply, in the memory bound.
+const ENTRY_OVERHEAD: u64 = 160;
+
+/// What a lookup found.
+pub enum Lookup<'a> {
+    /// A reply to send as is, after setting its `id`.
+    Hit(InferResponse),
+    /// Run the model, then `store` the answer through the ticket.
+    Miss(Ticket<'a>),
+}
+
+/// The right (and duty) to compute one key's answer; identical requests wait
+/// for it. Dropping it unfilled (an error) lets the next waiter compute.
+pub struct Ticket<'a> {
+    key: Key,
+    model: String,
+    ttl: Duration,
+    flight: Flight<'a>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheStats {
+    pub enabled: bool,
+    pub memory_entries: u64,
+    pub memory_bytes: u64,
+    pub memory_capacity_bytes: u64,
+    pub disk: Option<DiskStats>,
+}
+
+pub struct Cache {
+    options: CacheOptions,
+    memory: Memory,
+    disk: Option<disk::Disk>,
+    /// Why there is no disk layer, when one was asked for.
+    disk_problem: Option<String>,
+}
+
+impl Cache {
+    /// Opens the layers `options` ask for. A disk layer that cannot be had
+    /// is logged and left out; the node serves without it.
+    pub fn open(options: CacheOptions) -> Cache {
+        let memory = Memory::new(if options.enabled { options.memory_bytes } else { 0 });
+        let (mut disk, mut disk_problem) = (None, None);
+        if options.enabled && options.disk_bytes > 0 {
+            let opened = std::fs::create_dir_all(options.dir.parent().unwrap_or(&options.dir))
+                .map_err(|e| format!("cannot create {}: {e}", options.dir.display()))
+                .and_then(|()| disk::Disk::open(&options.dir, options.disk_bytes, options.sweep_interval));
+            match opened {
+                Ok(d) => disk = Some(d),
+                Err(e) => {
+                    tracing::error!("disk cache off: {e}; serving from memory and the model");
+                    metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(0.0);
+                    disk_problem = Some(e);
+                }
+            }
+        }
+        Cache { options, memory, disk, disk_problem }
+    }
+
+    pub fn off() -> Cache {
+        Cache::open(CacheOptions::off())
+    }
+
+    /// How long `model`'s answers are kept; `None`: not cached.
+    pub fn ttl(&self, model: &str) -> Option<Duration> {
+        let ttl = self.options.model_ttl.get(model).copied().unwrap_or(self.options.default_ttl);
+        (self.options.enabled && !ttl.is_zero()).then_some(ttl)
+    }
+
+    /// Memory, then disk; on a miss, the ticket to compute the answer. Waits
+    /// while an identical request computes it.
+    pub async fn lookup(&self, model: &str, key: Key, ttl: Duration) -> Lookup<'_> {
+        let now = telemetry::unix_now_ms();
+        let found = self.memory.find(&key, now).await;
+        let (result, flight) = match found {
+            Found::Hit(entry) => return self.hit(model, &entry, CacheStatus::Memory, "memory"),
+            Found::Joined(entry) => return self.hit(model, &entry, CacheStatus::Memory, "coalesced"),
+            Found::Lead(flight) => ("miss", flight),
+        };
+        if let Some(disk) = &self.disk
+            && let disk::Read::Hit { body, expires_at_ms } = disk.get(model, &key, now)
+            && let Ok(wire) = postcard::from_bytes::<WireResponse>(&body)
+        {
+            let entry = Arc::new(Entry {
+                response: InferResponse::from(wire),
+                expires_at_ms,
+                weight: body.len() as u64 + ENTRY_OVERHEAD,
+            });
+            flight.fill(entry.clone());
+            self.publish_memory();
+            return self.hit(model, &entry, CacheStatus::Disk, "disk");
+        }
+        count(model, result);
+        Lookup::Miss(Ticket { key, model: model.to_string(), ttl, flight })
+    }
+
+    fn hit(&self, model: &str, entry: &Entry, status: CacheStatus, result: &'static str) -> Lookup<'_> {
+        count(model, result);
+        let mut response = entry.response.clone();
+        response.parameters.cache = status;
+        Lookup::Hit(response)
+    }
+
+    /// Keeps a fresh answer: in memory now (waking identical requests),
+    /// on disk through the writer.
+    pub fn store(&self, ticket: Ticket<'_>, response: &InferResponse) {
+        let mut response = response.clone();
+        response.id.clear();
+        response.parameters.cache = CacheStatus::Miss;
+        let body =
+            postcard::to_stdvec(&WireResponse::from(response.clone())).expect("a reply always encodes");
+        let stored_at_ms = telemetry::unix_now_ms();
+        let expires_at_ms = stored_at_ms.saturating_add(ticket.ttl.as_millis() as u64);
+        let weight = body.len() as u64 + ENTRY_OVERHEAD;
+        ticket.flight.fill(Arc::new(Entry { response, expires_at_ms, weight }));
+        self.publish_memory();
+        if let Some(disk) = &self.disk {
+            disk.put(&ticket.model, ticket.key, stored_at_ms, expires_at_ms, body);
+        }
+    }
+
+    /// Removes every answer (of one model, or all) from both layers;
+    /// answers how many disk entries went.
+    pub async fn purge(&self, model: Option<&str>) -> Result<u64, String> {
+        match model {
+            Some(m) => self.memory.retain(|e| e.response.model_name != m),
+            None => self.memory.clear(),
+        }
+        self.publish_memory();
+        match &self.disk {
+            Some(disk) if disk.enabled() => disk.purge(model).await,
+            _ => Ok(0),
+        }
+    }
+
+    /// Waits until every answer queued for disk is written.
+    pub async fn flush(&self) {
+        if let Some(disk) = &self.disk {
+            disk.flush().await;
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            enabled: self.options.enabled,
+            memory_entries: self.memory.entries() as u64,
+            memory_bytes: self.memory.bytes(),
+            memory_capacity_bytes: if self.options.enabled { self.memory.capacity() } else { 0 },
+            disk: self.disk.as_ref().map(|d| d.stats()),
+        }
+    }
+
+    pub fn health(&self) -> CacheHealth {
+        let disk = self.disk.as_ref().map(|d| d.stats());
+        CacheHealth {
+            enabled: self.options.enabled,
+            memory_entries: self.memory.entries() as u64,
+            disk_enabled: disk.as_ref().is_some_and(|d| d.enabled),
+            disk_entries: disk.as_ref().map(|d| d.entries).unwrap_or(0),
+            problem: disk.and_then(|d| d.problem).or_else(|| self.disk_problem.clone()),
+        }
+    }
+
+    fn publish_memory(&self) {
+        metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "memory").set(self.memory.entries() as f64);
+        metrics::gauge!(telemetry::CACHE_BYTES, "layer" => "memory").set(self.memory.bytes() as f64);
+    }
+}
+
+fn count(model: &str, result: &'static str) {
+    metrics::counter!(telemetry::CACHE_LOOKUPS, "model" => model.to_string(), "result" => result)
+        .increment(1);
+}

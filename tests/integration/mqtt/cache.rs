@@ -1,0 +1,385 @@
+//! The response cache on the real binary: layers, restarts, TTL, versions,
+//! byte bounds, crashes, a damaged store and single flight.
+
+use super::support::{Client, Node, embedded_node_with_http, free_port_pair, get_json, http, sample};
+use crate::{digits_request, heldout, models_dir};
+use serde_json::{Value, json};
+use std::path::Path;
+use std::time::Duration;
+
+/// A digits request for held-out row `i`, made distinct per `variant` (the
+/// first pixel), with extra `parameters`.
+fn request(id: &str, i: usize, variant: usize, parameters: Value) -> Value {
+    let split = heldout();
+    let mut px = split[i % split.len()].1.clone();
+    px[0] = (variant % 17) as f64;
+    px[1] = (variant / 17 % 17) as f64;
+    let mut req = digits_request(id, &[px]);
+    req["parameters"] = parameters;
+    req
+}
+
+fn infer(port: u16, req: &Value) -> Value {
+    let (status, body) =
+        http(port, "POST", "/v2/models/digits/infer", req.to_string().as_bytes(), "application/json");
+    let reply: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    reply
+}
+
+fn cache_of(reply: &Value) -> &str {
+    reply["parameters"]["cache"].as_str().unwrap_or_else(|| panic!("no parameters.cache in {reply}"))
+}
+
+fn scrape(port: u16) -> String {
+    let (status, body) = http(port, "GET", "/metrics", b"", "text/plain");
+    assert_eq!(status, 200);
+    String::from_utf8(body).unwrap()
+}
+
+fn state_env(dir: &Path) -> (&'static str, String) {
+    ("EDGEINFER_NODE__STATE_DIR", dir.display().to_string())
+}
+
+fn start(id: &str, env: &[(&str, String)]) -> (Node, u16, u16) {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    embedded_node_with_http(id, &env)
+}
+
+#[test]
+fn miss_then_memory_then_disk_after_a_restart_with_identical_outputs() {
+    let state = tempfile::tempdir().unwrap();
+    let env = [state_env(state.path())];
+    let (mut first, _, port) = start("gw-c1", &env);
+    let req = request("a", 3, 0, json!({"top_k": 3}));
+    let miss = infer(port, &req);
+    assert_eq!(cache_of(&miss), "miss");
+    let mut again = req.clone();
+    again["id"] = json!("b");
+    again["parameters"]["deadline_ms"] = json!(5000);
+    let hit = infer(port, &again);
+    assert_eq!(cache_of(&hit), "memory", "id and deadline are not part of the key");
+    assert_eq!(hit["id"], "b", "a hit carries its own request's id");
+    assert_eq!(hit["outputs"], miss["outputs"]);
+    assert_eq!(hit["parameters"]["top_k"], miss["parameters"]["top_k"]);
+    let mut bypass = req.clone();
+    bypass["parameters"]["cache"] = json!(false);
+    assert_eq!(cache_of(&infer(port, &bypass)), "miss", "cache = false skips the lookup");
+    let mut other_k = req.clone();
+    other_k["parameters"]["top_k"] = json!(2);
+    let k2 = infer(port, &other_k);
+    assert_eq!(cache_of(&k2), "miss", "top_k is part of the key");
+    assert_eq!(k2["parameters"]["top_k"].as_array().unwrap().len(), 2);
+    assert!(first.terminate().success());
+
+    let (_second, _, port) = start("gw-c1", &env);
+    let from_disk = infer(port, &req);
+    assert_eq!(cache_of(&from_disk), "disk", "{from_disk}");
+    assert_eq!(from_disk["outputs"], miss["outputs"], "the stored answer, bit for bit");
+    assert_eq!(from_disk["parameters"]["label"], miss["parameters"]["label"]);
+    assert_eq!(from_disk["model_version"], miss["model_version"]);
+    assert_eq!(cache_of(&infer(port, &req)), "memory", "a disk hit is promoted to memory");
+    let m = scrape(port);
+    assert_eq!(sample(&m, &["edgeinfer_cache_lookups_total{", "result=\"disk\""]), 1.0);
+    assert_eq!(sample(&m, &["edgeinfer_cache_lookups_total{", "result=\"memory\""]), 1.0);
+    assert_eq!(
+        sample(&m, &["edgeinfer_batch_rows_count{", "model=\"digits\""]),
+        0.0,
+        "no model run in this process: both answers came from the cache"
+    );
+}
+
+#[test]
+fn entries_expire_after_their_ttl_and_a_zero_ttl_model_is_never_cached() {
+    let (_node, _, port) = start("gw-c2", &[("EDGEINFER_CACHE__TTL_S", "1".into())]);
+    let req = request("t", 5, 0, json!({}));
+    assert_eq!(cache_of(&infer(port, &req)), "miss");
+    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    std::thread::sleep(Duration::from_millis(1300));
+    assert_eq!(cache_of(&infer(port, &req)), "miss", "expired entries are ignored");
+    assert_eq!(cache_of(&infer(port, &req)), "memory", "and replaced by the fresh answer");
+
+    let (_node, _, port) = start("gw-c3", &[("EDGEINFER_MODELS__DIGITS__CACHE_TTL_S", "0".into())]);
+    assert_eq!(cache_of(&infer(port, &req)), "miss");
+    assert_eq!(cache_of(&infer(port, &req)), "miss", "models.digits.cache_ttl_s = 0 turns caching off");
+}
+
+fn copy_version(to: &Path, version: &str) {
+    let from = models_dir().join("digits/1");
+    let dir = to.join("digits").join(version);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.onnx", "golden.json"] {
+        std::fs::copy(from.join(f), dir.join(f)).unwrap();
+    }
+    let manifest = std::fs::read_to_string(from.join("model.toml")).unwrap();
+    std::fs::write(
+        dir.join("model.toml"),
+        manifest.replace("version = \"1\"", &format!("version = \"{version}\"")),
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_new_model_version_never_serves_the_old_answer() {
+    let state = tempfile::tempdir().unwrap();
+    let models = tempfile::tempdir().unwrap();
+    copy_version(models.path(), "1");
+    let env = [state_env(state.path()), ("EDGEINFER_NODE__MODELS_DIR", models.path().display().to_string())];
+    let req = request("v", 7, 0, json!({}));
+    let (mut node_v1, _, port) = start("gw-c4", &env);
+    let v1 = infer(port, &req);
+    assert_eq!((v1["model_version"].as_str(), cache_of(&v1)), (Some("1"), "miss"));
+    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    assert!(node_v1.terminate().success());
+
+    copy_version(models.path(), "2");
+    let (_node_v2, _, port) = start("gw-c4", &env);
+    let v2 = infer(port, &req);
+    assert_eq!((v2["model_version"].as_str(), cache_of(&v2)), (Some("2"), "miss"), "{v2}");
+    let mut pinned = req.clone();
+    pinned["parameters"]["model_version"] = json!("1");
+    let old = infer(port, &pinned);
+    assert_eq!((old["model_version"].as_str(), cache_of(&old)), (Some("1"), "disk"), "{old}");
+}
+
+#[test]
+fn byte_bounds_hold_under_a_flood_of_distinct_inputs() {
+    let bound = 65_536.0;
+    let env =
+        [("EDGEINFER_CACHE__MEMORY_BYTES", "65536".into()), ("EDGEINFER_CACHE__DISK_BYTES", "65536".into())];
+    let (_node, _, port) = start("gw-c5", &env);
+    for i in 0..1200 {
+        let reply = infer(port, &request(&i.to_string(), i, i / 7, json!({})));
+        assert_eq!(cache_of(&reply), "miss");
+    }
+    let (_, stats) = get_json(port, "/cache/stats");
+    eprintln!("after the flood: {stats}");
+    let m = scrape(port);
+    for layer in ["memory", "disk"] {
+        let bytes = sample(&m, &["edgeinfer_cache_bytes{", &format!("layer=\"{layer}\"")]);
+        let evicted = sample(&m, &["edgeinfer_cache_evictions_total{", &format!("layer=\"{layer}\"")]);
+        assert!(bytes > bound / 2.0 && bytes <= bound, "{layer}: {bytes} bytes against a bound of {bound}");
+        assert!(evicted > 0.0, "{layer}: nothing evicted");
+    }
+    assert!(stats["memory_bytes"].as_f64().unwrap() <= bound);
+    let disk = &stats["disk"];
+    assert!(disk["bytes"].as_f64().unwrap() <= bound);
+    let entries = disk["entries"].as_u64().unwrap();
+    assert!(entries > 50 && entries < 1200, "{entries} disk entries");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_write_storm_reopens_cleanly_and_every_answer_is_right() {
+    let state = tempfile::tempdir().unwrap();
+    // Batch size 1 throughout: a batched run's floats can differ from a
+    // single row's in the last bit, and this test compares bits.
+    let env = [state_env(state.path()), ("EDGEINFER_RUNTIME__MAX_BATCH", "1".into())];
+    let (mut node, mqtt, _) = start("gw-c6", &env);
+    let mut client = Client::connect(mqtt, "storm", &["storm/replies"]).await;
+    let n = 800;
+    for i in 0..n {
+        let payload = request(&i.to_string(), i, i / 3, json!({})).to_string().into_bytes();
+        client.request("edgeinfer/gw-c6/infer/digits", payload, "storm/replies", b"", None).await;
+    }
+    // Kill it while answers are still being written.
+    let mut answered = 0;
+    while answered < n / 3 {
+        client.next(Duration::from_secs(20)).await.expect("replies during the storm");
+        answered += 1;
+    }
+    node.kill9();
+    drop(node);
+
+    let (_node, _, port) = tokio::task::spawn_blocking(move || start("gw-c6", &env)).await.unwrap();
+    let (_, status) = get_json(port, "/cache/stats");
+    assert_eq!(status["disk"]["enabled"], true, "{status}");
+    assert_eq!(status["disk"]["problem"], Value::Null, "the store reopened without trouble: {status}");
+    let checked = tokio::task::spawn_blocking(move || {
+        let mut from_disk = 0;
+        for i in 0..n {
+            let req = request(&i.to_string(), i, i / 3, json!({}));
+            let cached = infer(port, &req);
+            let mut fresh_req = req.clone();
+            fresh_req["parameters"]["cache"] = json!(false);
+            let fresh = infer(port, &fresh_req);
+            assert_eq!(
+                cached["outputs"], fresh["outputs"],
+                "request {i}: a cached answer differs from the model's"
+            );
+            from_disk += (cache_of(&cached) == "disk") as usize;
+        }
+        from_disk
+    })
+    .await
+    .unwrap();
+    eprintln!("after kill -9: {checked} of {n} answers came from disk, all equal to the model's");
+    assert!(checked > 0, "nothing survived on disk, so nothing was checked");
+}
+
+#[test]
+fn a_damaged_store_is_moved_aside_and_the_node_serves() {
+    let state = tempfile::tempdir().unwrap();
+    let store = state.path().join("cache");
+    std::fs::create_dir_all(&store).unwrap();
+    std::fs::write(store.join("conf"), b"segment_size: banana\n\x00\xff garbage").unwrap();
+    std::fs::write(store.join("db"), vec![0xa5u8; 4096]).unwrap();
+    let env = [state_env(state.path())];
+    let (node, mqtt, port) = start("gw-c7", &env);
+    let req = request("q", 1, 0, json!({}));
+    assert_eq!(cache_of(&infer(port, &req)), "miss");
+    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    let aside: Vec<_> = std::fs::read_dir(state.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("cache.quarantined-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "the damaged store is kept aside for inspection");
+    assert!(node.log.lock().unwrap().iter().any(|l| l.contains("ERROR") && l.contains("moved it aside")));
+    let m = scrape(port);
+    assert_eq!(sample(&m, &["edgeinfer_cache_quarantined_stores_total"]), 1.0);
+    assert_eq!(sample(&m, &["edgeinfer_cache_disk_enabled"]), 1.0, "a fresh store serves");
+    // The retained status says so too.
+    let status = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = Client::connect(mqtt, "watch", &["edgeinfer/gw-c7/status"]).await;
+        c.next_json().await.1
+    });
+    let problem = status["cache"]["problem"].as_str().unwrap_or_else(|| panic!("{status}"));
+    assert!(problem.contains("moved it aside"), "{problem}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_concurrent_requests_run_the_model_once() {
+    // A long batch window keeps the first request in flight while the rest arrive.
+    let env = [("EDGEINFER_RUNTIME__MAX_DELAY_US", "300000".to_string())];
+    let (_node, mqtt, port) = tokio::task::spawn_blocking(move || start("gw-c8", &env)).await.unwrap();
+    let mut client = Client::connect(mqtt, "same", &["same/replies"]).await;
+    let n = 16;
+    for i in 0..n {
+        let payload = request(&format!("s{i}"), 9, 0, json!({})).to_string().into_bytes();
+        client
+            .request("edgeinfer/gw-c8/infer/digits", payload, "same/replies", i.to_string().as_bytes(), None)
+            .await;
+    }
+    let mut outputs = Vec::new();
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..n {
+        let (_, reply) = client.next_json().await;
+        *seen.entry(cache_of(&reply).to_string()).or_insert(0) += 1;
+        outputs.push(reply["outputs"].clone());
+    }
+    assert!(outputs.windows(2).all(|w| w[0] == w[1]), "every request got the same answer");
+    assert_eq!(seen.get("miss"), Some(&1), "{seen:?}");
+    let m = tokio::task::spawn_blocking(move || scrape(port)).await.unwrap();
+    assert_eq!(sample(&m, &["edgeinfer_batch_rows_sum{", "model=\"digits\""]), 1.0, "the model ran once");
+    assert_eq!(sample(&m, &["edgeinfer_batch_rows_count{", "model=\"digits\""]), 1.0);
+    let coalesced = sample(&m, &["edgeinfer_cache_lookups_total{", "result=\"coalesced\""]);
+    assert_eq!(coalesced, (n - 1) as f64, "the others waited for the first: {seen:?}");
+}
+
+#[test]
+fn cache_stats_and_purge_work_against_a_live_node_and_a_stopped_one() {
+    let state = tempfile::tempdir().unwrap();
+    let env = [state_env(state.path())];
+    let (mut node, _, port) = start("gw-c9", &env);
+    for i in 0..5 {
+        infer(port, &request(&i.to_string(), i, 0, json!({})));
+    }
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+            .args(["cache"])
+            .args(args)
+            .env_remove("EDGEINFER_CONFIG")
+            .env("EDGEINFER_NODE__STATE_DIR", state.path())
+            .env("EDGEINFER_HTTP__LISTEN", format!("127.0.0.1:{port}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "cache {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let wait_for_disk = |want: u64| {
+        for _ in 0..100 {
+            let stats: Value = serde_json::from_str(&cli(&["stats", "--json"])).unwrap();
+            if stats["disk"]["entries"] == want {
+                return stats;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the disk layer never held {want} entries");
+    };
+    let live = wait_for_disk(5);
+    assert_eq!(live["memory_entries"], 5);
+    assert!(cli(&["stats"]).contains("running node"));
+    let purged = cli(&["purge", "--model", "digits"]);
+    assert!(purged.contains("5 disk entries removed"), "{purged}");
+    assert_eq!(cache_of(&infer(port, &request("0", 0, 0, json!({})))), "miss", "purged from memory too");
+    assert!(node.terminate().success());
+
+    // With the node stopped the command opens the store itself.
+    let http_port = free_port_pair();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+        .args(["cache", "stats"])
+        .env_remove("EDGEINFER_CONFIG")
+        .env("EDGEINFER_NODE__STATE_DIR", state.path())
+        .env("EDGEINFER_HTTP__LISTEN", format!("127.0.0.1:{http_port}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("no node running") && text.contains("disk:   1 entries"),
+        "{text}"
+    );
+}
+
+/// A 1 MiB tmpfs, unmounted on drop; `None` (with a clear message) where
+/// this process may not mount (CI runs as root and can).
+struct FullDisk(tempfile::TempDir);
+
+impl FullDisk {
+    fn mount() -> Option<FullDisk> {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED (full disk): cannot mount a tmpfs here (needs root)");
+            return None;
+        }
+        Some(FullDisk(dir))
+    }
+}
+
+impl Drop for FullDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+#[test]
+fn a_full_disk_turns_the_disk_layer_off_and_serving_continues() {
+    let Some(disk) = FullDisk::mount() else { return };
+    let (mut node, _, port) = start("gw-c10", &[state_env(disk.0.path())]);
+    let mut disabled_at = None;
+    for i in 0..4000 {
+        let reply = infer(port, &request(&i.to_string(), i, i / 360, json!({})));
+        assert_eq!(cache_of(&reply), "miss", "request {i}");
+        if i % 100 == 99 && sample(&scrape(port), &["edgeinfer_cache_disk_enabled"]) == 0.0 {
+            disabled_at = Some(i);
+            break;
+        }
+    }
+    let at = disabled_at.expect("1 MiB filled up and the disk layer went off");
+    // Serving goes on, from memory and the model.
+    let req = request("after", 1, 0, json!({"top_k": 1}));
+    assert_eq!(cache_of(&infer(port, &req)), "miss");
+    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    let (_, stats) = get_json(port, "/cache/stats");
+    let problem = stats["disk"]["problem"].as_str().unwrap_or_default().to_string();
+    assert!(problem.contains("No space left"), "{stats}");
+    assert!(sample(&scrape(port), &["edgeinfer_cache_disk_errors_total"]) >= 1.0);
+    assert!(node.log.lock().unwrap().iter().any(|l| l.contains("disk cache disabled")));
+    eprintln!("disk layer off after {} requests: {problem}", at + 1);
+    assert!(node.terminate().success());
+}
