@@ -164,6 +164,13 @@ struct BenchArgs {
     /// Run an echo responder on the request topic and measure the broker floor.
     #[arg(long)]
     echo: bool,
+    /// Make every request's input different (the default request with its
+    /// first pixel set to the request number), so each misses the cache.
+    #[arg(long, conflicts_with = "input")]
+    distinct: bool,
+    /// Send `parameters.cache = false`: the node skips its cache.
+    #[arg(long, conflicts_with = "input")]
+    no_cache: bool,
     /// Print the report as JSON on standard output.
     #[arg(long)]
     json: bool,
@@ -371,13 +378,28 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
         format!("{prefix}/{}/infer/{}", args.node.as_deref().unwrap_or(&config.node.id), args.model)
     };
     let payload = match &args.input {
-        Some(path) => std::fs::read(path).with_context(|| format!("reading --input {}", path.display()))?,
+        Some(path) => edgeinfer::bench::Payload::Fixed(
+            std::fs::read(path).with_context(|| format!("reading --input {}", path.display()))?.into(),
+        ),
         None => {
             let data: Vec<u32> = (0..64).map(|i| (i * 7) % 17).collect();
-            serde_json::to_vec(&serde_json::json!({
+            let mut request = serde_json::json!({
                 "id": "bench",
                 "inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": data}]
-            }))?
+            });
+            if args.no_cache {
+                request["parameters"] = serde_json::json!({"cache": false});
+            }
+            let text = serde_json::to_string(&request)?;
+            if args.distinct {
+                // The first pixel becomes the request number.
+                let at = text.find("\"data\":[").expect("the request has data") + "\"data\":[".len();
+                let end = at + text[at..].find(',').expect("64 pixels");
+                let (head, tail) = (text[..at].to_string(), text[end..].to_string());
+                edgeinfer::bench::Payload::Numbered { head: head.into(), tail: tail.into() }
+            } else {
+                edgeinfer::bench::Payload::Fixed(text.into())
+            }
         }
     };
     let url = args.url.clone().unwrap_or_else(|| config.mqtt.url.clone());
@@ -387,7 +409,7 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
     let options = edgeinfer::bench::BenchOptions {
         url,
         topic,
-        payload: payload.into(),
+        payload,
         connections: args.connections.max(1),
         concurrency: args.concurrency.max(1),
         rate: args.rate,

@@ -93,6 +93,7 @@ pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
 }
 
 struct Connection {
+    k: usize,
     client: AsyncClient,
     replies: mpsc::UnboundedReceiver<Publish>,
     reply_topic: String,
@@ -104,7 +105,7 @@ impl Connection {
         let reply_topic = format!("edgeinfer-bench/{id}/replies");
         let qos = if options.qos1 { QoS::AtLeastOnce } else { QoS::AtMostOnce };
         let (client, replies) = subscribed(&options.url, &id, &reply_topic, qos).await?;
-        Ok(Connection { client, replies, reply_topic })
+        Ok(Connection { k, client, replies, reply_topic })
     }
 
     fn send(&self, options: &BenchOptions, seq: u64) -> bool {
@@ -115,7 +116,13 @@ impl Connection {
         };
         let qos = if options.qos1 { QoS::AtLeastOnce } else { QoS::AtMostOnce };
         self.client
-            .try_publish_with_properties(options.topic.clone(), qos, false, options.payload.clone(), props)
+            .try_publish_with_properties(
+                options.topic.clone(),
+                qos,
+                false,
+                options.payload.bytes(self.k, options.connections, seq),
+                props,
+            )
             .is_ok()
     }
 

@@ -21,8 +21,7 @@ pub struct BenchOptions {
     pub url: String,
     /// Requests go to this topic.
     pub topic: String,
-    /// Shared, so each request clones a reference, not the bytes.
-    pub payload: bytes::Bytes,
+    pub payload: Payload,
     pub connections: usize,
     /// Closed loop: requests in flight per connection.
     pub concurrency: usize,
@@ -33,6 +32,34 @@ pub struct BenchOptions {
     pub qos1: bool,
     /// Print a progress line each second on standard error.
     pub progress: bool,
+}
+
+/// What each request carries.
+#[derive(Debug, Clone)]
+pub enum Payload {
+    /// The same bytes every time (after the first, a node answers from its
+    /// cache). Shared, so each request clones a reference, not the bytes.
+    Fixed(bytes::Bytes),
+    /// `head`, a number unique to the request, `tail`: every request differs,
+    /// so each one misses a node's cache.
+    Numbered { head: bytes::Bytes, tail: bytes::Bytes },
+}
+
+impl Payload {
+    /// Request `seq` of connection `k` of `of`.
+    pub fn bytes(&self, k: usize, of: usize, seq: u64) -> bytes::Bytes {
+        match self {
+            Payload::Fixed(b) => b.clone(),
+            Payload::Numbered { head, tail } => {
+                let n = seq * of as u64 + k as u64;
+                let mut out = Vec::with_capacity(head.len() + tail.len() + 20);
+                out.extend_from_slice(head);
+                out.extend_from_slice(n.to_string().as_bytes());
+                out.extend_from_slice(tail);
+                out.into()
+            }
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,158 @@
+//! The response cache in process: key cost, memory hit, disk hit and disk
+//! write per entry, and what an entry takes on disk. Run with
+//! `cargo bench --bench cache`; docs/BENCHMARKS.md records the figures.
+
+use criterion::Criterion;
+use edgeinfer::engine::cache::{Cache, CacheOptions, Key, Lookup};
+use edgeinfer::model::{LoadedModel, RuntimeOptions};
+use edgeinfer::protocol::{InferRequest, InferResponse, InputTensor, OutputTensor, TensorData};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn options(dir: &Path, memory_bytes: u64) -> CacheOptions {
+    CacheOptions {
+        enabled: true,
+        memory_bytes,
+        disk_bytes: 1 << 30,
+        dir: dir.join("cache"),
+        default_ttl: Duration::from_secs(3600),
+        model_ttl: HashMap::new(),
+        sweep_interval: Duration::from_secs(3600),
+    }
+}
+
+fn key(i: u64) -> Key {
+    let mut k = [0u8; 32];
+    k[..8].copy_from_slice(&i.to_le_bytes());
+    Key(k)
+}
+
+/// A `digits` reply as the node stores it: ten probabilities, a label.
+fn reply() -> InferResponse {
+    let mut r: InferResponse = serde_json::from_value(serde_json::json!({
+        "model_name": "digits", "model_version": "1",
+        "outputs": [{"name": "probabilities", "shape": [1, 10], "datatype": "FP32", "data": [0.0]}],
+        "parameters": {"node": "gw-01", "label": "7", "confidence": 0.97}
+    }))
+    .unwrap();
+    r.outputs = vec![OutputTensor {
+        name: "probabilities".into(),
+        shape: vec![1, 10],
+        datatype: edgeinfer::protocol::Datatype::Fp32,
+        data: TensorData::F32((0..10).map(|i| i as f32 / 45.0).collect()),
+    }];
+    r
+}
+
+/// Stores `n` entries from `from` on and waits until the writer has them on
+/// disk, in steps of 1000 (the writer's queue drops what overflows it).
+fn fill(rt: &tokio::runtime::Runtime, cache: &Cache, from: u64, n: u64) {
+    let response = reply();
+    rt.block_on(async {
+        for i in from..from + n {
+            if let Lookup::Miss(ticket) = cache.lookup("digits", key(i), Duration::from_secs(3600)).await {
+                cache.store(ticket, &response);
+            }
+            if i % 1000 == 999 {
+                cache.flush().await;
+            }
+        }
+        cache.flush().await;
+    });
+}
+
+/// Opens the store once the previous owner's threads have let go of its lock.
+fn reopen(options: CacheOptions) -> Cache {
+    for _ in 0..100 {
+        let cache = Cache::open(options.clone());
+        if cache.health().disk_enabled {
+            return cache;
+        }
+        drop(cache);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the store stayed locked");
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args().warm_up_time(Duration::from_millis(500));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let n = 20_000;
+
+    let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
+    let model = LoadedModel::load(&model_dir, &RuntimeOptions::default()).unwrap();
+    let req = InferRequest {
+        id: "a".into(),
+        reply_to: None,
+        inputs: vec![InputTensor {
+            name: "input".into(),
+            shape: vec![1, 64],
+            datatype: "FP32".into(),
+            data: TensorData::Number(vec![3.0; 64]),
+        }],
+        outputs: vec![],
+        parameters: Default::default(),
+    };
+    let input = TensorData::F32(vec![0.1875; 64]);
+    c.bench_function("cache/key (sha256 of a 64-pixel request)", |b| {
+        b.iter(|| Key::new(&model, &req, &input))
+    });
+
+    // Memory hits: everything fits in memory.
+    let dir = tempfile::tempdir().unwrap();
+    let warm = Cache::open(options(dir.path(), 64 << 20));
+    fill(&rt, &warm, 0, n);
+    let mut i = 0;
+    c.bench_function("cache/memory hit", |b| {
+        b.iter(|| {
+            i = (i + 1) % n;
+            rt.block_on(warm.lookup("digits", key(i), Duration::from_secs(3600)))
+        })
+    });
+    drop(warm);
+
+    // Disk hits: no memory layer to promote into, so every lookup reads sled.
+    let cold = reopen(options(dir.path(), 0));
+    rt.block_on(cold.flush());
+    let mut i = 0;
+    c.bench_function("cache/disk hit (read, checksum, decode)", |b| {
+        b.iter(|| {
+            i = (i + 1) % n;
+            let found = rt.block_on(cold.lookup("digits", key(i), Duration::from_secs(3600)));
+            assert!(matches!(found, Lookup::Hit(_)));
+        })
+    });
+    drop(cold);
+
+    // Disk writes: the writer's cost per entry, measured to the flush.
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = Cache::open(options(dir.path(), 0));
+    let mut next = 0;
+    c.bench_function("cache/disk write per entry (1000 stores + flush, / 1000)", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                fill(&rt, &fresh, next, 1000);
+                next += 1000;
+            }
+            start.elapsed() / 1000
+        })
+    });
+    let stats = fresh.stats();
+    let disk = stats.disk.unwrap();
+    println!(
+        "\ndisk bytes per entry after {} entries: {:.0} counted against cache.disk_bytes, {:.0} of sled files",
+        disk.entries,
+        disk.bytes as f64 / disk.entries as f64,
+        disk.size_on_disk as f64 / disk.entries as f64
+    );
+    let warm = Cache::open(options(tempfile::tempdir().unwrap().path(), 64 << 20));
+    fill(&rt, &warm, 0, n);
+    let s = warm.stats();
+    println!("memory bytes per entry: {:.0}", s.memory_bytes as f64 / s.memory_entries as f64);
+}
