@@ -39,6 +39,9 @@ pub struct NodeConfig {
     pub models_dir: PathBuf,
     /// Default `$STATE_DIRECTORY`, else `./state`.
     pub state_dir: PathBuf,
+    /// On SIGTERM, how long requests in flight may take to finish; the rest
+    /// stay unacknowledged with the broker, which redelivers them.
+    pub drain_timeout_s: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -196,6 +199,7 @@ impl Default for NodeConfig {
                     PathBuf::from(s.split(':').next().unwrap_or("state"))
                 })
                 .unwrap_or_else(|| "state".into()),
+            drain_timeout_s: 10,
         }
     }
 }
@@ -436,6 +440,12 @@ impl Config {
             }
             Ok(())
         };
+        if self.node.drain_timeout_s > 3600 {
+            return bad(
+                "node.drain_timeout_s",
+                format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s),
+            );
+        }
         if self.cache.sweep_interval_s == 0 {
             return bad("cache.sweep_interval_s", "0: use at least 1 second".into());
         }

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod bench;
 pub mod config;
 pub mod engine;
+pub mod lifecycle;
 pub mod model;
 pub mod protocol;
 pub mod telemetry;

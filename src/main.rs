@@ -4,6 +4,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use edgeinfer::config::Config;
 use edgeinfer::engine::{Cache, CacheOptions, Engine, EngineOptions, Target};
+use edgeinfer::lifecycle::{self, Notifier, ReloadSource, Signal};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::Encoding;
 use edgeinfer::telemetry::{Status, unix_now};
@@ -12,6 +13,7 @@ use edgeinfer::transport::{broker, http};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
@@ -217,8 +219,8 @@ fn init_logging(filter: &str, json: bool) {
 
 fn run(cli: Cli) -> Result<i32> {
     let mut config = Config::load(cli.config.as_deref())?;
-    if let Some(dir) = cli.models_dir {
-        config.node.models_dir = dir;
+    if let Some(dir) = &cli.models_dir {
+        config.node.models_dir = dir.clone();
     }
     // Every command but the load generator reads the models directory.
     let load_models = |config: &Config| -> Result<Registry> {
@@ -242,7 +244,8 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Serve => {
             let registry = load_models(&config)?;
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            rt.block_on(serve(config, registry, cli.config.is_some()))
+            let source = ReloadSource { config_file: cli.config.clone(), models_dir: cli.models_dir.clone() };
+            rt.block_on(serve(config, registry, source))
         }
         Command::Infer { model, model_version, input, postcard } => {
             let registry = load_models(&config)?;
@@ -325,12 +328,16 @@ fn run(cli: Cli) -> Result<i32> {
     }
 }
 
-async fn serve(config: Config, registry: Registry, config_given: bool) -> Result<i32> {
+async fn serve(config: Config, registry: Registry, source: ReloadSource) -> Result<i32> {
+    let started = std::time::Instant::now();
+    let notifier = Notifier;
+    // Before anything else, so an early SIGTERM still drains cleanly.
+    let mut signals = lifecycle::signals().context("installing signal handlers")?;
     let address = BrokerAddress::parse(&config.mqtt.url)?;
     let addr = address
         .socket_addr()
         .with_context(|| format!("mqtt.url {:?}: cannot resolve the host", config.mqtt.url))?;
-    let fallback = !config_given && !address.tls && !broker::listening(addr);
+    let fallback = source.config_file.is_none() && !address.tls && !broker::listening(addr);
     if config.mqtt.embedded_broker || fallback {
         let v311 = match config.mqtt.embedded_v311_listen.as_deref() {
             None => Some(std::net::SocketAddr::new(addr.ip(), addr.port().wrapping_add(1))),
@@ -347,27 +354,126 @@ async fn serve(config: Config, registry: Registry, config_given: bool) -> Result
     edgeinfer::telemetry::describe_models(&registry);
     let cache = Cache::open(CacheOptions::from_config(&config));
     let engine = Arc::new(Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache));
-    let models: Vec<String> =
-        engine.registry().active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
-    tracing::info!("node {}: serving {} over {}", config.node.id, models.join(", "), config.mqtt.url);
-    let status = Status::new(&config.node.id, engine.registry(), unix_now());
-    let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
+    tracing::info!("node {}: serving {} over {}", config.node.id, serving(&engine), config.mqtt.url);
+    let status = Status::new(&config.node.id, &engine.registry(), unix_now());
+    let (service, mut mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
+    let heartbeat = service.heartbeat();
+    let refresh_status = service.status_refresher();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let mut http_server = None;
     if !config.http.listen.is_empty() {
         let listener = tokio::net::TcpListener::bind(&config.http.listen)
             .await
             .with_context(|| format!("http.listen = {:?}: cannot listen there", config.http.listen))?;
-        let router = http::router(engine.clone(), metrics, mqtt_ready);
+        let router = http::router(engine.clone(), metrics, mqtt_ready.clone());
         tracing::info!("HTTP on {} (/metrics, /v2)", config.http.listen);
-        tokio::spawn(async move {
-            if let Err(e) = http::serve(listener, router, std::future::pending()).await {
+        let shutdown = stopped(stop_rx.clone());
+        http_server = Some(tokio::spawn(async move {
+            if let Err(e) = http::serve(listener, router, shutdown).await {
                 tracing::error!("HTTP server stopped: {e}");
             }
-        });
+        }));
     }
-    service.run(shutdown_signal()).await;
+    let mqtt = tokio::spawn(service.run(stopped(stop_rx)));
+
+    // READY once the models are loaded and the broker confirmed the subscriptions.
+    let mut ready = false;
+    let mut running = config;
+    loop {
+        tokio::select! {
+            changed = mqtt_ready.changed(), if !mqtt.is_finished() => {
+                if changed.is_err() {
+                    continue;
+                }
+                let up = *mqtt_ready.borrow_and_update();
+                let line = status_line(&engine, &running, up);
+                if up && !ready {
+                    ready = true;
+                    notifier.ready(&line);
+                    tracing::info!("ready {:.1} ms after start", started.elapsed().as_secs_f64() * 1e3);
+                    if let Some(interval) = notifier.watchdog_interval() {
+                        let stale = Duration::from_secs(2 * running.mqtt.keep_alive_s as u64 + 10);
+                        tokio::spawn(lifecycle::watchdog(engine.clone(), heartbeat.clone(), stale, interval));
+                    }
+                } else {
+                    notifier.status(&line);
+                }
+            }
+            signal = signals.recv() => match signal {
+                Some(Signal::Reload) => {
+                    notifier.reloading();
+                    running = reload(&source, running, &engine).await;
+                    refresh_status.notify_one();
+                    notifier.ready(&status_line(&engine, &running, *mqtt_ready.borrow()));
+                }
+                Some(Signal::Stop(name)) => {
+                    tracing::info!("{name}: draining (node.drain_timeout_s = {})", running.node.drain_timeout_s);
+                    notifier.stopping(&format!("{name}: draining requests in flight"));
+                    break;
+                }
+                None => break,
+            },
+        }
+    }
+    stop_tx.send_replace(true);
+    let _ = mqtt.await;
+    if let Some(server) = http_server {
+        let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    }
     engine.cache().flush().await;
     tracing::info!("stopped");
     Ok(0)
+}
+
+/// SIGHUP: the new config and models, or the old ones with the error logged
+/// and in the status.
+async fn reload(source: &ReloadSource, running: Config, engine: &Arc<Engine>) -> Config {
+    let (source, engine2, current) = (source.clone(), engine.clone(), running.clone());
+    let outcome = tokio::task::spawn_blocking(move || lifecycle::reload(&source, &current, &engine2)).await;
+    match outcome {
+        Ok(Ok((config, done))) => {
+            tracing::info!("reloaded: serving {}", done.serving.join(", "));
+            for refused in &done.refused {
+                tracing::error!("reload: refused {refused}");
+            }
+            if !done.need_restart.is_empty() {
+                tracing::warn!("reload: {} changed; restart to apply", done.need_restart.join(", "));
+            }
+            engine.set_reload_error(
+                (!done.refused.is_empty()).then(|| format!("refused {}", done.refused.join("; "))),
+            );
+            config
+        }
+        Ok(Err(e)) => {
+            tracing::error!("reload refused, still serving the previous config and models: {e}");
+            engine.set_reload_error(Some(e.to_string()));
+            running
+        }
+        Err(e) => {
+            tracing::error!("reload failed: {e}");
+            engine.set_reload_error(Some(format!("reload failed: {e}")));
+            running
+        }
+    }
+}
+
+fn serving(engine: &Engine) -> String {
+    engine
+        .registry()
+        .active()
+        .map(|m| format!("{} v{}", m.name(), m.version()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The line `systemctl status` shows.
+fn status_line(engine: &Engine, config: &Config, mqtt_up: bool) -> String {
+    let requests: u64 = engine.request_counts().values().sum();
+    let broker = if mqtt_up { "connected to" } else { "reconnecting to" };
+    format!("serving {}; {broker} {}; {requests} requests answered", serving(engine), config.mqtt.url)
 }
 
 async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
@@ -465,18 +571,6 @@ async fn cache_command(config: &Config, command: CacheCommand) -> Result<i32> {
         }
     }
     Ok(0)
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-        _ = int.recv() => tracing::info!("SIGINT: stopping"),
-    }
 }
 
 fn read_input(input: &str) -> Result<Vec<u8>> {

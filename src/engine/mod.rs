@@ -97,12 +97,21 @@ pub struct Handled {
 }
 
 pub struct Engine {
+    /// The models and settings in service; a reload swaps in a new one while
+    /// requests already running finish on the one they started with.
+    current: std::sync::RwLock<Arc<Generation>>,
+    cache: Cache,
+    /// Why the last reload was refused, for the status.
+    reload_error: std::sync::Mutex<Option<String>>,
+}
+
+/// One set of loaded models with their inference threads and settings.
+struct Generation {
     registry: Arc<Registry>,
     runners: HashMap<(String, String), Runner>,
     options: EngineOptions,
-    /// Per model name, for the status and stats messages.
-    served: HashMap<String, Served>,
-    cache: Cache,
+    /// Per model name, for the status and stats messages; carried across reloads.
+    served: HashMap<String, Arc<Served>>,
 }
 
 /// What a model has served: a running count, and round trips since the last
@@ -110,6 +119,13 @@ pub struct Engine {
 struct Served {
     requests: std::sync::atomic::AtomicU64,
     latency_us: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
+}
+
+impl Served {
+    fn new() -> Served {
+        let histogram = hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
+        Served { requests: Default::default(), latency_us: histogram.into() }
+    }
 }
 
 /// One model's figures since the previous snapshot.
@@ -123,9 +139,10 @@ pub struct ModelStats {
     pub p99_ms: f64,
 }
 
-impl Engine {
-    /// Starts the inference threads of every loaded model version.
-    pub fn new(registry: Arc<Registry>, options: EngineOptions, cache: Cache) -> Engine {
+impl Generation {
+    /// Starts the inference threads of every loaded model version; counts of
+    /// models `previous` served carry over.
+    fn start(registry: Arc<Registry>, options: EngineOptions, previous: Option<&Generation>) -> Generation {
         let runners = registry
             .all()
             .map(|m| {
@@ -137,17 +154,47 @@ impl Engine {
         let served = registry
             .active()
             .map(|m| {
-                let histogram =
-                    hdrhistogram::Histogram::new_with_bounds(1, 60_000_000, 2).expect("valid bounds");
-                (m.name().to_string(), Served { requests: Default::default(), latency_us: histogram.into() })
+                let kept = previous.and_then(|p| p.served.get(m.name()).cloned());
+                (m.name().to_string(), kept.unwrap_or_else(|| Arc::new(Served::new())))
             })
             .collect();
-        Engine { registry, runners, options, served, cache }
+        Generation { registry, runners, options, served }
+    }
+
+    /// The `model` label: the name for models this node serves, `unknown`
+    /// otherwise, so a device sending junk topics cannot grow the metric set.
+    fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self.served.contains_key(model) { model } else { "unknown" }
+    }
+}
+
+impl Engine {
+    /// Starts the inference threads of every loaded model version.
+    pub fn new(registry: Arc<Registry>, options: EngineOptions, cache: Cache) -> Engine {
+        let generation = Generation::start(registry, options, None);
+        Engine {
+            current: std::sync::RwLock::new(Arc::new(generation)),
+            cache,
+            reload_error: Default::default(),
+        }
+    }
+
+    fn current(&self) -> Arc<Generation> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Serves `registry` with `options` from now on. Requests already running
+    /// finish on the models they started with; their threads stop after.
+    pub fn reload(&self, registry: Arc<Registry>, options: EngineOptions) {
+        let previous = self.current();
+        let next = Arc::new(Generation::start(registry, options, Some(&previous)));
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
     }
 
     /// Requests answered since start, by model.
     pub fn request_counts(&self) -> std::collections::BTreeMap<String, u64> {
-        self.served
+        self.current()
+            .served
             .iter()
             .map(|(m, s)| (m.clone(), s.requests.load(std::sync::atomic::Ordering::Relaxed)))
             .collect()
@@ -156,7 +203,7 @@ impl Engine {
     /// Per-model figures since the previous call, `interval` apart.
     pub fn take_stats(&self, interval: Duration) -> std::collections::BTreeMap<String, ModelStats> {
         let mut out = std::collections::BTreeMap::new();
-        for (name, served) in &self.served {
+        for (name, served) in &self.current().served {
             let Ok(mut h) = served.latency_us.lock() else { continue };
             let ms = |q: f64| h.value_at_quantile(q) as f64 / 1e3;
             out.insert(
@@ -175,27 +222,77 @@ impl Engine {
         out
     }
 
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.registry
+    /// The models in service now.
+    pub fn registry(&self) -> Arc<Registry> {
+        self.current().registry.clone()
     }
 
     pub fn cache(&self) -> &Cache {
         &self.cache
     }
 
-    pub fn options(&self) -> &EngineOptions {
-        &self.options
+    /// Records (or clears) why the last reload was refused.
+    pub fn set_reload_error(&self, error: Option<String>) {
+        *self.reload_error.lock().unwrap_or_else(|e| e.into_inner()) = error;
+    }
+
+    /// What a status message reports of the engine now.
+    pub fn live(&self) -> telemetry::Live {
+        telemetry::Live {
+            registry: self.registry(),
+            requests: self.request_counts(),
+            cache: self.cache.health(),
+            reload_error: self.reload_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        }
+    }
+
+    /// One request through the whole pipeline (cache skipped) on the first
+    /// model in service: the watchdog's proof that requests still flow. A
+    /// node too busy to take it (`overloaded`) is alive.
+    pub async fn probe(&self) -> Result<(), String> {
+        let registry = self.registry();
+        let Some(model) = registry.active().next() else { return Err("no model is in service".into()) };
+        let spec = &model.manifest.input;
+        let shape: Vec<i64> = spec.shape.iter().map(|&d| if d < 0 { 1 } else { d }).collect();
+        let elements = shape.iter().product::<i64>() as usize;
+        let req = InferRequest {
+            id: "watchdog".into(),
+            reply_to: None,
+            inputs: vec![crate::protocol::InputTensor {
+                name: spec.name.clone(),
+                shape,
+                datatype: spec.datatype.as_str().into(),
+                data: crate::protocol::TensorData::Number(vec![0.0; elements]),
+            }],
+            outputs: vec![],
+            parameters: crate::protocol::RequestParameters {
+                cache: Some(false),
+                deadline_ms: Some(5000),
+                ..Default::default()
+            },
+        };
+        match self.infer(Target::model(model.name()), req).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == ErrorCode::Overloaded => Ok(()),
+            Err(e) => Err(format!("{} v{}: {e}", model.name(), model.version())),
+        }
+    }
+
+    /// The settings in service now.
+    pub fn options(&self) -> EngineOptions {
+        self.current().options.clone()
     }
 
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, target: Target<'_>, payload: &[u8], encoding: Encoding) -> Handled {
         let start = Instant::now();
-        let label = self.model_label(target.model);
+        let generation = self.current();
+        let label = generation.model_label(target.model);
         let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "model" => label.to_string());
         in_flight.increment(1.0);
-        let request = decode(payload, encoding, &self.options.limits);
+        let request = decode(payload, encoding, &generation.options.limits);
         let (id, reply_to, result) = match request {
-            Ok(req) => (req.id.clone(), req.reply_to.clone(), self.infer(target, req).await),
+            Ok(req) => (req.id.clone(), req.reply_to.clone(), self.run(&generation, target, req).await),
             Err(e) => {
                 let peek = decode::peek(payload, encoding);
                 (peek.id, peek.reply_to, Err(e))
@@ -204,7 +301,7 @@ impl Engine {
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
         let version = result.as_ref().map(|r| r.model_version.clone()).unwrap_or_default();
         let reply = encode(&id, result, encoding);
-        self.record(label, &version, target.transport, outcome, start.elapsed());
+        record(&generation, label, &version, target.transport, outcome, start.elapsed());
         in_flight.decrement(1.0);
         Handled { reply, id, reply_to, outcome }
     }
@@ -222,52 +319,32 @@ impl Engine {
         let peek = decode::peek(payload, encoding);
         let code = error.code;
         let reply = encode(&peek.id, Err(error), encoding);
-        self.record(self.model_label(target.model), "", target.transport, Err(code), start.elapsed());
+        let generation = self.current();
+        let label = generation.model_label(target.model);
+        record(&generation, label, "", target.transport, Err(code), start.elapsed());
         Handled { outcome: Err(code), reply, id: peek.id, reply_to: peek.reply_to }
-    }
-
-    /// The `model` label: the name for models this node serves, `unknown`
-    /// otherwise, so a device sending junk topics cannot grow the metric set.
-    fn model_label<'a>(&self, model: &'a str) -> &'a str {
-        if self.served.contains_key(model) { model } else { "unknown" }
-    }
-
-    fn record(
-        &self,
-        model: &str,
-        version: &str,
-        transport: &'static str,
-        outcome: Result<(), ErrorCode>,
-        elapsed: Duration,
-    ) {
-        metrics::counter!(
-            telemetry::REQUESTS,
-            "model" => model.to_string(),
-            "version" => version.to_string(),
-            "transport" => transport,
-            "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
-        )
-        .increment(1);
-        telemetry::observe_stage(model, Stage::EndToEnd, elapsed.as_secs_f64());
-        if let Some(served) = self.served.get(model) {
-            served.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if let Ok(mut h) = served.latency_us.lock() {
-                let _ = h.record((elapsed.as_micros() as u64).max(1));
-            }
-        }
     }
 
     /// One decoded request through route, preprocess, cache, run and
     /// postprocess, within its deadline.
     pub async fn infer(&self, target: Target<'_>, req: InferRequest) -> Result<InferResponse, InferError> {
+        self.run(&self.current(), target, req).await
+    }
+
+    async fn run(
+        &self,
+        generation: &Generation,
+        target: Target<'_>,
+        req: InferRequest,
+    ) -> Result<InferResponse, InferError> {
         let start = Instant::now();
-        let model = route::route(&self.registry, target, &req)?;
-        let prepared = preprocess::prepare(&model, &req, &self.options.limits)?;
+        let model = route::route(&generation.registry, target, &req)?;
+        let prepared = preprocess::prepare(&model, &req, &generation.options.limits)?;
         telemetry::observe_stage(model.name(), Stage::Preprocess, start.elapsed().as_secs_f64());
         let runner =
-            self.runners.get(&(model.name().to_string(), model.version().to_string())).ok_or_else(|| {
-                InferError::internal(format!("model {} has no inference threads", model.name()))
-            })?;
+            generation.runners.get(&(model.name().to_string(), model.version().to_string())).ok_or_else(
+                || InferError::internal(format!("model {} has no inference threads", model.name())),
+            )?;
         let deadline = match (req.parameters.deadline_ms.map(Duration::from_millis), target.deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -295,7 +372,7 @@ impl Engine {
             };
             let outputs = runner.run(prepared, deadline.map(|d| start + d)).await?;
             let post = Instant::now();
-            let response = postprocess::respond(&model, &req, outputs, &self.options.node_id)?;
+            let response = postprocess::respond(&model, &req, outputs, &generation.options.node_id)?;
             telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
             if let Some(ticket) = ticket {
                 self.cache.store(ticket, &response);
@@ -314,6 +391,31 @@ impl Engine {
                 ))
             })?,
             None => answer.await,
+        }
+    }
+}
+
+fn record(
+    generation: &Generation,
+    model: &str,
+    version: &str,
+    transport: &'static str,
+    outcome: Result<(), ErrorCode>,
+    elapsed: Duration,
+) {
+    metrics::counter!(
+        telemetry::REQUESTS,
+        "model" => model.to_string(),
+        "version" => version.to_string(),
+        "transport" => transport,
+        "outcome" => outcome.map(|_| "ok").unwrap_or_else(|c| c.as_str())
+    )
+    .increment(1);
+    telemetry::observe_stage(model, Stage::EndToEnd, elapsed.as_secs_f64());
+    if let Some(served) = generation.served.get(model) {
+        served.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut h) = served.latency_us.lock() {
+            let _ = h.record((elapsed.as_micros() as u64).max(1));
         }
     }
 }

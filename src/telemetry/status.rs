@@ -25,6 +25,19 @@ pub struct Status {
     /// Requests answered since start, by model name.
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
+    /// Why the last reload (SIGHUP) was refused or partly refused; the node
+    /// serves what it had.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reload_error: Option<String>,
+}
+
+/// What changes while a node runs, for a status snapshot.
+#[derive(Debug, Clone)]
+pub struct Live {
+    pub registry: std::sync::Arc<Registry>,
+    pub requests: std::collections::BTreeMap<String, u64>,
+    pub cache: CacheHealth,
+    pub reload_error: Option<String>,
 }
 
 /// The response cache as the status reports it.
@@ -50,8 +63,6 @@ pub struct ModelStatus {
 
 impl Status {
     pub fn new(node: &str, registry: &Registry, started_at: u64) -> Status {
-        let active: Vec<_> =
-            registry.active().map(|m| (m.name().to_string(), m.version().to_string())).collect();
         Status {
             state: State::Online,
             node: node.into(),
@@ -60,37 +71,44 @@ impl Status {
             uptime_s: 0,
             requests: Default::default(),
             cache: Default::default(),
-            models: registry
-                .all()
-                .map(|m| ModelStatus {
-                    name: m.name().into(),
-                    version: m.version().into(),
-                    sha256: m.manifest.sha256.clone(),
-                    quantization: m.manifest.quantization.as_str(),
-                    active: active.contains(&(m.name().to_string(), m.version().to_string())),
-                })
-                .collect(),
+            reload_error: None,
+            models: models(registry),
         }
     }
 
+    /// The message with `state` and what it had at start (the last will).
     pub fn with_state(&self, state: State) -> Vec<u8> {
-        self.snapshot(state, Default::default(), self.cache.clone())
+        let mut s = self.clone();
+        s.state = state;
+        serde_json::to_vec(&s).expect("status serializes")
     }
 
-    /// The message as of now: `state`, uptime, request counts and the cache.
-    pub fn snapshot(
-        &self,
-        state: State,
-        requests: std::collections::BTreeMap<String, u64>,
-        cache: CacheHealth,
-    ) -> Vec<u8> {
+    /// The message as of now: `state`, uptime, the models in service, request
+    /// counts and the cache.
+    pub fn snapshot(&self, state: State, live: Live) -> Vec<u8> {
         let mut s = self.clone();
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);
-        s.requests = requests;
-        s.cache = cache;
+        s.models = models(&live.registry);
+        s.requests = live.requests;
+        s.cache = live.cache;
+        s.reload_error = live.reload_error;
         serde_json::to_vec(&s).expect("status serializes")
     }
+}
+
+fn models(registry: &Registry) -> Vec<ModelStatus> {
+    let active: Vec<_> = registry.active().map(|m| (m.name().to_string(), m.version().to_string())).collect();
+    registry
+        .all()
+        .map(|m| ModelStatus {
+            name: m.name().into(),
+            version: m.version().into(),
+            sha256: m.manifest.sha256.clone(),
+            quantization: m.manifest.quantization.as_str(),
+            active: active.contains(&(m.name().to_string(), m.version().to_string())),
+        })
+        .collect()
 }
 
 pub fn unix_now() -> u64 {

@@ -12,6 +12,9 @@ use tokio::sync::mpsc;
 enum Message {
     Arrived(u64, Box<Publish>),
     Done(u64),
+    /// Stop after handing out what is releasable now; later requests stay
+    /// unacknowledged, so the broker redelivers them.
+    Close(tokio::sync::oneshot::Sender<()>),
 }
 
 pub struct AckQueue {
@@ -45,6 +48,16 @@ impl AckQueue {
         let _ = self.tx.send(Message::Arrived(seq, Box::new(publish.clone())));
         Ticket { seq, tx: self.tx.clone() }
     }
+
+    /// Acknowledges every request finished so far (in order), then stops:
+    /// requests still running, or finishing later, are never acknowledged.
+    /// Returns once the acknowledgements are queued on the client.
+    pub async fn close(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Message::Close(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
 }
 
 async fn run(client: AsyncClient, mut rx: mpsc::UnboundedReceiver<Message>) {
@@ -53,6 +66,10 @@ async fn run(client: AsyncClient, mut rx: mpsc::UnboundedReceiver<Message>) {
         let released = match message {
             Message::Arrived(seq, p) => order.arrived(seq, p),
             Message::Done(seq) => order.done(seq),
+            Message::Close(done) => {
+                let _ = done.send(());
+                return;
+            }
         };
         for publish in released {
             if client.ack(&publish).await.is_err() {

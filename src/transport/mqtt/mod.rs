@@ -11,6 +11,7 @@ pub use options::{BrokerAddress, OptionsError, client_options};
 pub use topics::{Topics, valid_reply_topic};
 
 use crate::engine::{Engine, Target};
+use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, InferError};
 use crate::telemetry::{State, Status};
 use acks::{AckQueue, Ticket};
@@ -32,6 +33,10 @@ pub struct MqttService {
     /// True while connected with our subscriptions in place; the HTTP
     /// readiness check holds the receiving end.
     ready_tx: watch::Sender<bool>,
+    drain_timeout: Duration,
+    heartbeat: Heartbeat,
+    /// Asks for the retained status to be published again (after a reload).
+    refresh: Arc<tokio::sync::Notify>,
 }
 
 impl MqttService {
@@ -66,14 +71,30 @@ impl MqttService {
                     .then(|| Duration::from_secs(config.telemetry.stats_interval_s)),
                 options,
                 ready_tx,
+                drain_timeout: Duration::from_secs(config.node.drain_timeout_s),
+                heartbeat: Heartbeat::default(),
+                refresh: Default::default(),
             },
             ready_rx,
         ))
     }
 
-    /// Serves until `shutdown` resolves, then publishes `offline` and
-    /// disconnects. Connection errors never end it: it reconnects with
-    /// exponential backoff and jitter.
+    /// Notify it to have the retained status published again.
+    pub fn status_refresher(&self) -> Arc<tokio::sync::Notify> {
+        self.refresh.clone()
+    }
+
+    /// Turns with the event loop; the watchdog reads it.
+    pub fn heartbeat(&self) -> Heartbeat {
+        self.heartbeat.clone()
+    }
+
+    /// Serves until `shutdown` resolves, then drains: takes no new request,
+    /// lets the running ones finish (up to `node.drain_timeout_s`), sends
+    /// their replies and acknowledgements, publishes `offline` and
+    /// disconnects. Requests it did not finish stay unacknowledged in the
+    /// persistent session, so the broker redelivers them. Connection errors
+    /// never end it: it reconnects with exponential backoff and jitter.
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 4096);
         let permits = Arc::new(Semaphore::new(self.max_in_flight));
@@ -86,9 +107,19 @@ impl MqttService {
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
+        let mut tasks = tokio::task::JoinSet::new();
         loop {
+            self.heartbeat.beat();
             let event = tokio::select! {
                 _ = &mut shutdown => break,
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+                _ = self.refresh.notified() => {
+                    if *self.ready_tx.borrow() {
+                        let status = self.status.snapshot(State::Online, self.engine.live());
+                        let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
+                    }
+                    continue;
+                }
                 _ = stats_tick.tick(), if self.stats_interval.is_some() => {
                     self.publish_stats(&client).await;
                     continue;
@@ -135,7 +166,7 @@ impl MqttService {
                         client: client.clone(),
                         topics: self.topics.clone(),
                     };
-                    tokio::spawn(async move {
+                    tasks.spawn(async move {
                         task.handle(publish, permit.is_some(), ticket).await;
                         drop(permit);
                     });
@@ -153,10 +184,9 @@ impl MqttService {
                 }
             }
         }
-        self.ready_tx.send_replace(false);
-        let _ = client
-            .publish(self.topics.status(), QoS::AtLeastOnce, true, self.status.with_state(State::Offline))
-            .await;
+        self.drain(&client, &mut eventloop, &mut tasks, &acks).await;
+        let offline = self.status.snapshot(State::Offline, self.engine.live());
+        let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, offline).await;
         let _ = client.disconnect().await;
         // Flush the offline status and the DISCONNECT.
         let _ = tokio::time::timeout(Duration::from_secs(2), async {
@@ -170,6 +200,42 @@ impl MqttService {
         .await;
     }
 
+    /// Finishes the requests in flight while the event loop keeps carrying
+    /// their replies; requests arriving meanwhile are left unacknowledged.
+    async fn drain(
+        &self,
+        client: &AsyncClient,
+        eventloop: &mut EventLoop,
+        tasks: &mut tokio::task::JoinSet<()>,
+        acks: &AckQueue,
+    ) {
+        self.ready_tx.send_replace(false);
+        let draining = self.status.snapshot(State::Draining, self.engine.live());
+        let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, draining);
+        let running = tasks.len();
+        let deadline = tokio::time::Instant::now() + self.drain_timeout;
+        let mut held_back = 0usize;
+        while !tasks.is_empty() {
+            tokio::select! {
+                _ = tasks.join_next() => {}
+                event = eventloop.poll() => match event {
+                    Ok(Event::Incoming(Packet::Publish(_))) => held_back += 1,
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let unfinished = tasks.len();
+        acks.close().await;
+        tasks.abort_all();
+        tracing::info!(
+            "drained: {} of {running} requests in flight finished; {unfinished} unfinished and {held_back} \
+             arrived while draining, left with the broker for redelivery",
+            running - unfinished
+        );
+    }
+
     /// The periodic `stats` message, and the retained status refreshed with
     /// uptime and request counts, for fleets that cannot scrape.
     async fn publish_stats(&self, client: &AsyncClient) {
@@ -181,11 +247,7 @@ impl MqttService {
         });
         let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
         if *self.ready_tx.borrow() {
-            let status = self.status.snapshot(
-                State::Online,
-                self.engine.request_counts(),
-                self.engine.cache().health(),
-            );
+            let status = self.status.snapshot(State::Online, self.engine.live());
             let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
         }
     }
@@ -201,8 +263,7 @@ impl MqttService {
 
     /// Subscriptions are in place: status online, readiness, one log line.
     async fn announce_ready(&self, client: &AsyncClient, session: &str) {
-        let status =
-            self.status.snapshot(State::Online, self.engine.request_counts(), self.engine.cache().health());
+        let status = self.status.snapshot(State::Online, self.engine.live());
         let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
         metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
         self.ready_tx.send_replace(true);

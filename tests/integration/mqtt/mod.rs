@@ -3,6 +3,7 @@
 
 mod cache;
 mod embedded;
+mod lifecycle;
 mod mosquitto;
 mod observability;
 mod support;

@@ -236,8 +236,25 @@ impl Node {
     }
 
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        self.signal("TERM");
         self.child.wait().unwrap()
+    }
+
+    /// Sends `kill -NAME` (TERM, HUP, ...).
+    pub fn signal(&self, name: &str) {
+        let _ = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status();
+    }
+
+    /// Waits for the process to exit on its own.
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "node {} did not exit within {timeout:?}", self.id);
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }
 

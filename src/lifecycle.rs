@@ -1,0 +1,212 @@
+//! Living under a service manager: signals, sd_notify, the watchdog, and
+//! reloading config and models without dropping requests.
+//!
+//! SIGTERM and SIGINT ask the services to drain (see `MqttService::run`);
+//! SIGHUP reloads. systemd hears READY once the models are loaded and the
+//! broker confirmed the subscriptions, WATCHDOG only while a request can
+//! still flow, STOPPING and RELOADING around those, and STATUS lines a
+//! person reads in `systemctl status`.
+
+use crate::config::Config;
+use crate::engine::{Engine, EngineOptions};
+use crate::model::{Registry, RuntimeOptions};
+use sd_notify::NotifyState;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// SIGTERM or SIGINT: drain and exit.
+    Stop(&'static str),
+    /// SIGHUP: reload config and models.
+    Reload,
+}
+
+/// Signals as a channel; signal-hook's handler only writes to a pipe, and a
+/// thread turns that into messages.
+pub fn signals() -> std::io::Result<mpsc::UnboundedReceiver<Signal>> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for signal in signals.forever() {
+            let message = match signal {
+                SIGHUP => Signal::Reload,
+                SIGINT => Signal::Stop("SIGINT"),
+                _ => Signal::Stop("SIGTERM"),
+            };
+            if tx.send(message).is_err() {
+                return;
+            }
+        }
+    })?;
+    Ok(rx)
+}
+
+/// sd_notify, a no-op outside systemd (no `NOTIFY_SOCKET`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Notifier;
+
+impl Notifier {
+    fn send(&self, states: &[NotifyState]) {
+        if std::env::var_os("NOTIFY_SOCKET").is_some()
+            && let Err(e) = sd_notify::notify(false, states)
+        {
+            tracing::warn!("sd_notify: {e}");
+        }
+    }
+
+    pub fn ready(&self, status: &str) {
+        self.send(&[NotifyState::Ready, NotifyState::Status(status)]);
+    }
+
+    pub fn status(&self, status: &str) {
+        self.send(&[NotifyState::Status(status)]);
+    }
+
+    pub fn reloading(&self) {
+        // MONOTONIC_USEC lets `Type=notify-reload` (systemd 253+) match the
+        // reload to its READY; plain `Type=notify` ignores it.
+        match NotifyState::monotonic_usec_now() {
+            Ok(now) => self.send(&[NotifyState::Reloading, now, NotifyState::Status("reloading")]),
+            Err(_) => self.send(&[NotifyState::Reloading, NotifyState::Status("reloading")]),
+        }
+    }
+
+    pub fn stopping(&self, status: &str) {
+        self.send(&[NotifyState::Stopping, NotifyState::Status(status)]);
+    }
+
+    pub fn watchdog(&self) {
+        self.send(&[NotifyState::Watchdog]);
+    }
+
+    /// How often systemd wants to hear WATCHDOG (`WatchdogSec`), if at all.
+    pub fn watchdog_interval(&self) -> Option<Duration> {
+        let mut usec = 0;
+        sd_notify::watchdog_enabled(false, &mut usec).then(|| Duration::from_micros(usec))
+    }
+}
+
+/// When the MQTT service last got anything from its event loop (a packet,
+/// or a failed reconnect): a loop that stopped turning is a wedged node.
+#[derive(Debug, Clone, Default)]
+pub struct Heartbeat(Arc<AtomicU64>);
+
+impl Heartbeat {
+    pub fn beat(&self) {
+        self.0.store(crate::telemetry::unix_now_ms(), Ordering::Relaxed);
+    }
+
+    pub fn age(&self) -> Duration {
+        Duration::from_millis(crate::telemetry::unix_now_ms().saturating_sub(self.0.load(Ordering::Relaxed)))
+    }
+}
+
+/// Sends WATCHDOG at half of `interval` while a probe request gets through
+/// the pipeline and the MQTT loop keeps turning. A wedged node stops
+/// petting, and systemd restarts it; a broker outage does not count (the
+/// loop turns while it reconnects).
+pub async fn watchdog(engine: Arc<Engine>, heartbeat: Heartbeat, stale_after: Duration, interval: Duration) {
+    let notifier = Notifier;
+    let mut tick = tokio::time::interval(interval / 2);
+    loop {
+        tick.tick().await;
+        let probe = tokio::time::timeout(interval / 4, engine.probe()).await;
+        match probe {
+            Ok(Ok(())) if heartbeat.age() <= stale_after => notifier.watchdog(),
+            Ok(Ok(())) => tracing::error!(
+                "watchdog: the MQTT loop has not turned for {:.0} s; not petting",
+                heartbeat.age().as_secs_f64()
+            ),
+            Ok(Err(e)) => tracing::error!("watchdog: a probe request failed: {e}; not petting"),
+            Err(_) => tracing::error!("watchdog: a probe request got no answer in time; not petting"),
+        }
+    }
+}
+
+/// Where a reload reads from: the same file and command-line override the
+/// node started with.
+#[derive(Debug, Clone)]
+pub struct ReloadSource {
+    pub config_file: Option<PathBuf>,
+    pub models_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("models directory {dir}: {source}")]
+    Models { dir: PathBuf, source: Box<crate::model::LoadError> },
+    #[error("model {model} would have no loadable version left ({why}); keeping the current models")]
+    Lost { model: String, why: String },
+}
+
+/// What a reload did, for the log and the status line.
+#[derive(Debug, Default)]
+pub struct Reloaded {
+    pub serving: Vec<String>,
+    /// Versions found but refused (the rest were swapped in).
+    pub refused: Vec<String>,
+    /// Changed settings that only a restart applies.
+    pub need_restart: Vec<&'static str>,
+}
+
+impl ReloadSource {
+    pub fn load(&self) -> Result<Config, crate::config::ConfigError> {
+        let mut config = Config::load(self.config_file.as_deref())?;
+        if let Some(dir) = &self.models_dir {
+            config.node.models_dir = dir.clone();
+        }
+        Ok(config)
+    }
+}
+
+/// Reads the config and the models directory again and swaps them in. On
+/// any error the node keeps serving what it had.
+pub fn reload(
+    source: &ReloadSource,
+    running: &Config,
+    engine: &Engine,
+) -> Result<(Config, Reloaded), ReloadError> {
+    let config = source.load()?;
+    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone() };
+    let registry = Registry::load(&config.node.models_dir, &runtime).map_err(|source| {
+        ReloadError::Models { dir: config.node.models_dir.clone(), source: Box::new(source) }
+    })?;
+    let refused: Vec<String> =
+        registry.refused.iter().map(|r| format!("{}: {}", r.dir.display(), r.error)).collect();
+    for model in engine.registry().active() {
+        if registry.get(model.name(), None).is_err() {
+            let why = refused
+                .iter()
+                .find(|r| r.contains(&format!("/{}/", model.name())))
+                .cloned()
+                .unwrap_or_else(|| "its directory is gone".into());
+            return Err(ReloadError::Lost { model: model.name().to_string(), why });
+        }
+    }
+    let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
+    crate::telemetry::describe_models(&registry);
+    engine.reload(Arc::new(registry), EngineOptions::from_config(&config));
+    let mut need_restart = Vec::new();
+    for (section, changed) in [
+        (
+            "node.id / node.state_dir",
+            running.node.id != config.node.id || running.node.state_dir != config.node.state_dir,
+        ),
+        ("mqtt", running.mqtt != config.mqtt),
+        ("http", running.http != config.http),
+        ("cache", running.cache != config.cache),
+        ("cloud", running.cloud != config.cloud),
+    ] {
+        if changed {
+            need_restart.push(section);
+        }
+    }
+    Ok((config, Reloaded { serving, refused, need_restart }))
+}
