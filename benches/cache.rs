@@ -5,7 +5,7 @@
 use criterion::Criterion;
 use edgeinfer::engine::cache::{Cache, CacheOptions, Key, Lookup};
 use edgeinfer::model::{LoadedModel, RuntimeOptions};
-use edgeinfer::protocol::{InferRequest, InferResponse, InputTensor, OutputTensor, TensorData};
+use edgeinfer::protocol::{Datatype, InferRequest, InferResponse, OutputTensor, TensorData};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -43,7 +43,7 @@ fn reply() -> InferResponse {
     r.outputs = vec![OutputTensor {
         name: "probabilities".into(),
         shape: vec![1, 10],
-        datatype: edgeinfer::protocol::Datatype::Fp32,
+        datatype: Datatype::Fp32,
         data: TensorData::F32((0..10).map(|i| i as f32 / 45.0).collect()),
     }];
     r
@@ -86,18 +86,8 @@ fn main() {
 
     let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
     let model = LoadedModel::load(&model_dir, &RuntimeOptions::default()).unwrap();
-    let req = InferRequest {
-        id: "a".into(),
-        reply_to: None,
-        inputs: vec![InputTensor {
-            name: "input".into(),
-            shape: vec![1, 64],
-            datatype: "FP32".into(),
-            data: TensorData::Number(vec![3.0; 64]),
-        }],
-        outputs: vec![],
-        parameters: Default::default(),
-    };
+    let req =
+        InferRequest::single("a", "input", vec![1, 64], Datatype::Fp32, TensorData::Number(vec![3.0; 64]));
     let input = TensorData::F32(vec![0.1875; 64]);
     c.bench_function("cache/key (sha256 of a 64-pixel request)", |b| {
         b.iter(|| Key::new(&model, &req, &input))

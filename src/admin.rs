@@ -42,7 +42,7 @@ pub async fn cache_stats(config: &Config, url: Option<&str>) -> Result<(CacheSta
     let mut no_node = None;
     if let Some(base) = &base {
         let url = format!("{base}/cache/stats");
-        match send(reqwest::Client::new().get(&url), &url).await {
+        match send("GET", &url).await {
             Ok(body) => {
                 let stats = serde_json::from_str(&body).map_err(|e| AdminError::Http {
                     url: url.clone(),
@@ -66,12 +66,11 @@ pub async fn cache_purge(
     let base = base_url(config, url);
     let mut no_node = None;
     if let Some(base) = &base {
-        let url = format!("{base}/cache/purge");
-        let mut request = reqwest::Client::new().post(&url);
-        if let Some(m) = model {
-            request = request.query(&[("model", m)]);
-        }
-        match send(request, &url).await {
+        let url = match model {
+            Some(m) => format!("{base}/cache/purge?model={}", query_value(m)),
+            None => format!("{base}/cache/purge"),
+        };
+        match send("POST", &url).await {
             Ok(body) => {
                 let answer: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
                     AdminError::Http { url: url.clone(), reason: format!("unexpected answer: {e}") }
@@ -102,19 +101,34 @@ enum Attempt {
     Failed(AdminError),
 }
 
-async fn send(request: reqwest::RequestBuilder, url: &str) -> Result<String, Attempt> {
-    let response = request.timeout(std::time::Duration::from_secs(10)).send().await.map_err(|e| {
-        if e.is_connect() {
-            Attempt::NoNode(e.to_string())
-        } else {
-            Attempt::Failed(AdminError::Http { url: url.into(), reason: e.to_string() })
-        }
-    })?;
-    let status = response.status();
-    let body = response
-        .text()
+/// A model name as a query value (names are `[A-Za-z0-9._-]`, but a typo
+/// should reach the node intact and be refused there).
+fn query_value(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'-' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+async fn send(method: &str, url: &str) -> Result<String, Attempt> {
+    use http_body_util::BodyExt;
+    let failed = |reason: String| Attempt::Failed(AdminError::Http { url: url.into(), reason });
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(url)
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .map_err(|e| failed(e.to_string()))?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let response = tokio::time::timeout(std::time::Duration::from_secs(10), client.request(request))
         .await
-        .map_err(|e| Attempt::Failed(AdminError::Http { url: url.into(), reason: e.to_string() }))?;
+        .map_err(|_| failed("no answer within 10 s".into()))?
+        .map_err(|e| if e.is_connect() { Attempt::NoNode(e.to_string()) } else { failed(e.to_string()) })?;
+    let status = response.status();
+    let body = response.into_body().collect().await.map_err(|e| failed(e.to_string()))?.to_bytes();
+    let body = String::from_utf8_lossy(&body).into_owned();
     if !status.is_success() {
         return Err(Attempt::Failed(AdminError::Refused { url: url.into(), status: status.as_u16(), body }));
     }

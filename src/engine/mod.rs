@@ -255,22 +255,15 @@ impl Engine {
         let spec = &model.manifest.input;
         let shape: Vec<i64> = spec.shape.iter().map(|&d| if d < 0 { 1 } else { d }).collect();
         let elements = shape.iter().product::<i64>() as usize;
-        let req = InferRequest {
-            id: "watchdog".into(),
-            reply_to: None,
-            inputs: vec![crate::protocol::InputTensor {
-                name: spec.name.clone(),
-                shape,
-                datatype: spec.datatype.as_str().into(),
-                data: crate::protocol::TensorData::Number(vec![0.0; elements]),
-            }],
-            outputs: vec![],
-            parameters: crate::protocol::RequestParameters {
-                cache: Some(false),
-                deadline_ms: Some(5000),
-                ..Default::default()
-            },
-        };
+        let mut req = InferRequest::single(
+            "watchdog",
+            &spec.name,
+            shape,
+            spec.datatype,
+            crate::protocol::TensorData::Number(vec![0.0; elements]),
+        );
+        req.parameters.cache = Some(false);
+        req.parameters.deadline_ms = Some(5000);
         match self.infer(Target::model(model.name()), req).await {
             Ok(_) => Ok(()),
             Err(e) if e.code == ErrorCode::Overloaded => Ok(()),

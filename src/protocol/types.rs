@@ -138,6 +138,25 @@ pub struct InferRequest {
     pub parameters: RequestParameters,
 }
 
+impl InferRequest {
+    /// A request with one input tensor and default parameters.
+    pub fn single(
+        id: &str,
+        name: &str,
+        shape: Vec<i64>,
+        datatype: Datatype,
+        data: TensorData,
+    ) -> InferRequest {
+        InferRequest {
+            id: id.into(),
+            reply_to: None,
+            inputs: vec![InputTensor { name: name.into(), shape, datatype: datatype.as_str().into(), data }],
+            outputs: vec![],
+            parameters: RequestParameters::default(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InputTensor {
     pub name: String,

@@ -355,28 +355,41 @@ impl Writer {
         self.db.tree_names().into_iter().filter(|n| n.starts_with(MODEL_TREE_PREFIX.as_bytes())).collect()
     }
 
-    /// Recounts entries and bytes, dropping damaged records on the way.
-    fn count(&mut self) -> sled::Result<()> {
-        let (mut entries, mut bytes) = (0, 0);
-        let mut seq = 0;
+    /// Visits every record of every model tree: the tree's name, the tree,
+    /// the key and the stored bytes, and the record if it is intact.
+    fn scan(
+        &self,
+        mut visit: impl FnMut(&sled::IVec, &sled::Tree, Key, &sled::IVec, Option<Record>) -> sled::Result<()>,
+    ) -> sled::Result<()> {
         for name in self.model_trees() {
             let tree = self.db.open_tree(&name)?;
             for item in tree.iter() {
                 let (k, v) = item?;
                 let key = Key(k.as_ref().try_into().unwrap_or([0; 32]));
-                match Record::decode(&key, &v) {
-                    Some(r) if k.len() == 32 => {
-                        entries += 1;
-                        bytes += footprint(&name, v.len());
-                        seq = seq.max(r.seq);
-                    }
-                    _ => {
-                        metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
-                        tree.remove(&k)?;
-                    }
-                }
+                let record = if k.len() == 32 { Record::decode(&key, &v) } else { None };
+                visit(&name, &tree, key, &v, record)?;
             }
         }
+        Ok(())
+    }
+
+    /// Recounts entries and bytes, dropping damaged records on the way.
+    fn count(&mut self) -> sled::Result<()> {
+        let (mut entries, mut bytes, mut seq) = (0, 0, 0);
+        self.scan(|name, tree, key, value, record| {
+            match record {
+                Some(r) => {
+                    entries += 1;
+                    bytes += footprint(name, value.len());
+                    seq = seq.max(r.seq);
+                }
+                None => {
+                    metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
+                    tree.remove(key.0)?;
+                }
+            }
+            Ok(())
+        })?;
         self.seq = self.seq.max(seq + 1);
         self.shared.entries.store(entries, Ordering::Relaxed);
         self.shared.bytes.store(bytes, Ordering::Relaxed);
@@ -456,20 +469,20 @@ impl Writer {
 
     /// Removes expired and damaged entries.
     fn sweep(&mut self, now_ms: u64) -> sled::Result<()> {
-        for name in self.model_trees() {
-            let tree = self.db.open_tree(&name)?;
-            for item in tree.iter() {
-                let (k, v) = item?;
-                let key = Key(k.as_ref().try_into().unwrap_or([0; 32]));
-                match Record::decode(&key, &v) {
-                    Some(r) if r.expires_at_ms > now_ms => continue,
-                    Some(_) => {}
-                    None => metrics::counter!(telemetry::CACHE_CORRUPT).increment(1),
-                }
-                if let Some(old) = tree.remove(&k)? {
-                    self.forget(&name, &key, &old)?;
-                    self.shared.entries.fetch_sub(1, Ordering::Relaxed);
-                }
+        let mut gone = Vec::new();
+        self.scan(|name, _, key, _, record| {
+            match record {
+                Some(r) if r.expires_at_ms > now_ms => return Ok(()),
+                Some(_) => {}
+                None => metrics::counter!(telemetry::CACHE_CORRUPT).increment(1),
+            }
+            gone.push((name.clone(), key));
+            Ok(())
+        })?;
+        for (name, key) in gone {
+            if let Some(old) = self.db.open_tree(&name)?.remove(key.0)? {
+                self.forget(&name, &key, &old)?;
+                self.shared.entries.fetch_sub(1, Ordering::Relaxed);
             }
         }
         Ok(())

@@ -71,7 +71,7 @@ fn hash_elements(h: &mut Sha256, data: &TensorData) {
 mod tests {
     use super::*;
     use crate::model::RuntimeOptions;
-    use crate::protocol::{InputTensor, RequestedOutput};
+    use crate::protocol::{Datatype, RequestedOutput};
 
     fn digits() -> LoadedModel {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
@@ -79,18 +79,7 @@ mod tests {
     }
 
     fn request() -> InferRequest {
-        InferRequest {
-            id: "a".into(),
-            reply_to: None,
-            inputs: vec![InputTensor {
-                name: "input".into(),
-                shape: vec![1, 64],
-                datatype: "FP32".into(),
-                data: TensorData::Number(vec![1.0; 64]),
-            }],
-            outputs: vec![],
-            parameters: Default::default(),
-        }
+        InferRequest::single("a", "input", vec![1, 64], Datatype::Fp32, TensorData::Number(vec![1.0; 64]))
     }
 
     #[test]

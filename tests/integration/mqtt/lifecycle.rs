@@ -18,13 +18,11 @@ fn sd_notify_says_ready_watchdog_reloading_and_stopping_in_order() {
     socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let port = free_port_pair();
     // systemd sets WATCHDOG_PID to the service's pid; `exec` keeps the shell's.
+    // EDGEINFER_TEST_BIN measures another build's cold start (a release one).
+    let bin = std::env::var("EDGEINFER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_edgeinfer").into());
     let start = Instant::now();
     let mut child = Command::new("sh")
-        .args([
-            "-c",
-            "WATCHDOG_PID=$$ exec \"$0\" serve --models-dir \"$1\"",
-            env!("CARGO_BIN_EXE_edgeinfer"),
-        ])
+        .args(["-c", "WATCHDOG_PID=$$ exec \"$0\" serve --models-dir \"$1\"", &bin])
         .arg(models_dir())
         .env_remove("EDGEINFER_CONFIG")
         .env("NOTIFY_SOCKET", &socket_path)
@@ -77,7 +75,7 @@ fn sd_notify_says_ready_watchdog_reloading_and_stopping_in_order() {
         "{kinds:?}"
     );
     assert_eq!(*kinds.last().unwrap(), "STOPPING=1", "{kinds:?}");
-    eprintln!("exec to READY=1: {:.1} ms (debug build); messages {kinds:?}", ready_after.as_secs_f64() * 1e3);
+    eprintln!("exec to READY=1: {:.1} ms ({bin}); messages {kinds:?}", ready_after.as_secs_f64() * 1e3);
 }
 
 fn row_request(id: usize) -> Vec<u8> {
@@ -248,4 +246,62 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
     let versions: BTreeSet<&str> =
         meta["versions"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(versions, BTreeSet::from(["1", "2"]), "{meta}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_unfinished_at_the_drain_timeout_are_redelivered_to_the_next_node() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().display().to_string();
+    let url = broker.url();
+    // A one-second batch window holds every request past a zero drain timeout.
+    let (u, s) = (url.clone(), state_dir.clone());
+    let mut slow = tokio::task::spawn_blocking(move || {
+        Node::start(
+            &u,
+            "gw-l4",
+            &[
+                ("EDGEINFER_NODE__STATE_DIR", &s),
+                ("EDGEINFER_RUNTIME__MAX_DELAY_US", "1000000"),
+                ("EDGEINFER_NODE__DRAIN_TIMEOUT_S", "0"),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let mut client = Client::connect(broker.port, "load-l4", &["l4/replies"]).await;
+    for i in 0..5 {
+        client
+            .request(
+                "edgeinfer/gw-l4/infer/digits",
+                row_request(i),
+                "l4/replies",
+                i.to_string().as_bytes(),
+                None,
+            )
+            .await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopped_at = Instant::now();
+    slow.signal("TERM");
+    let (status, slow) =
+        tokio::task::spawn_blocking(move || (slow.wait(Duration::from_secs(5)), slow)).await.unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(stopped_at.elapsed() < Duration::from_millis(900), "it did not wait for the batch window");
+    assert!(client.next(Duration::from_millis(100)).await.is_none(), "nothing was answered before the stop");
+    let log = slow.log.lock().unwrap().join("\n");
+    assert!(log.contains("5 unfinished"), "{log}");
+
+    let _next = tokio::task::spawn_blocking(move || {
+        Node::start(&url, "gw-l4", &[("EDGEINFER_NODE__STATE_DIR", &state_dir)])
+    })
+    .await
+    .unwrap();
+    let mut answered = BTreeSet::new();
+    while answered.len() < 5 {
+        let p = client.next(Duration::from_secs(20)).await.expect("the redelivered requests are answered");
+        answered
+            .insert(String::from_utf8_lossy(&p.properties.unwrap().correlation_data.unwrap()).into_owned());
+    }
+    assert_eq!(answered, (0..5).map(|i| i.to_string()).collect());
 }
