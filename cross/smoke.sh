@@ -43,7 +43,7 @@ for _ in $(seq 1 300); do
 done
 grep -q "MQTT connected" "$state/log" || { cat "$state/log"; echo "FAIL: serve never connected" >&2; exit 1; }
 reply=$(mosquitto_rr -V mqttv5 -h 127.0.0.1 -p "$port" -t edgeinfer/smoke/infer/digits -e smoke/replies \
-    -f docs/examples/digits-request.json -W 30)
+    -m "$(cat docs/examples/digits-request.json)" -W 30)
 echo "-- reply: $reply"
 echo "$reply" | grep -q '"label":"7"' || { echo "FAIL: no label 7 in the reply" >&2; exit 1; }
 kill -TERM "$pid"

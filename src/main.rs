@@ -33,7 +33,8 @@ struct Cli {
     /// Models directory, overriding node.models_dir.
     #[arg(long, global = true, value_name = "DIR")]
     models_dir: Option<PathBuf>,
-    /// Log filter (error, warn, info, debug, trace, or tracing directives).
+    /// Log filter: a level (error, warn, info, debug, trace) or target=level
+    /// directives, comma-separated, like info,edgeinfer=debug.
     #[arg(
         long,
         global = true,
@@ -206,14 +207,19 @@ fn main() {
 }
 
 fn init_logging(filter: &str, json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    use std::io::IsTerminal;
-    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // `target=level` directives; tracing's regex-based EnvFilter would add a
+    // megabyte of regex engine to the binary for span filters nobody sets here.
+    let filter: tracing_subscriber::filter::Targets = filter.parse().unwrap_or_else(|e| {
+        eprintln!("--log {filter:?}: {e}; logging warnings only");
+        tracing_subscriber::filter::Targets::new().with_default(tracing::Level::WARN)
+    });
+    // Plain text (no colours): journald and log collectors read it.
+    use tracing_subscriber::prelude::*;
+    let registry = tracing_subscriber::registry().with(filter);
     if json {
-        logs.json().init();
+        registry.with(tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr)).init();
     } else {
-        logs.with_ansi(std::io::stderr().is_terminal()).init();
+        registry.with(tracing_subscriber::fmt::layer().with_ansi(false).with_writer(std::io::stderr)).init();
     }
 }
 
