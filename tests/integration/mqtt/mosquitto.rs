@@ -145,7 +145,7 @@ async fn two_nodes_in_one_share_group_split_requests_and_answer_each_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_publishes_offline_and_exits_0() {
+async fn sigterm_publishes_draining_then_offline_and_exits_0() {
     let Some(broker) = Mosquitto::start() else { return };
     let mut node = Node::start(&broker.url(), "gw-m5", &[]);
     let mut status = Client::connect(broker.port, "fleet-m5", &["edgeinfer/gw-m5/status"]).await;
@@ -153,6 +153,8 @@ async fn sigterm_publishes_offline_and_exits_0() {
     assert_eq!(s["state"], "online");
     let code = node.terminate();
     assert!(code.success(), "exit {code:?}");
+    let (_, s) = status.next_json().await;
+    assert_eq!(s["state"], "draining");
     let (_, s) = status.next_json().await;
     assert_eq!(s["state"], "offline");
 }
