@@ -271,9 +271,10 @@ impl Engine {
         }
     }
 
-    /// The settings in service now.
-    pub fn options(&self) -> EngineOptions {
-        self.current().options.clone()
+    /// The request limits in service now (a transport reading a body needs
+    /// the payload bound before the pipeline runs).
+    pub fn max_payload_bytes(&self) -> usize {
+        self.current().options.limits.max_payload_bytes
     }
 
     /// Bytes in, bytes out: the whole pipeline, for transports.

@@ -188,7 +188,7 @@ async fn handle(
 ) -> Response {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
     let encoding = Encoding::from_content_type(content_type);
-    let limit = state.engine.options().limits.max_payload_bytes;
+    let limit = state.engine.max_payload_bytes();
     let handled = match axum::body::to_bytes(body, limit).await {
         Ok(bytes) => {
             let target = Target { model, version, deadline: None, transport: "http" };
