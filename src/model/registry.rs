@@ -5,7 +5,8 @@ use super::{LoadError, LoadedModel, RuntimeOptions};
 use crate::protocol::InferError;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// A version that was found but refused, with the reason.
 #[derive(Debug)]
@@ -44,17 +45,33 @@ pub fn valid_model_name(name: &str) -> bool {
 impl Registry {
     /// Loads `dir/NAME/VERSION/model.toml` for every NAME and VERSION.
     /// Directories without a manifest (the producing script's data) are skipped.
+    /// Versions load on parallel threads (one per core at most); the outcome
+    /// does not depend on the order they finish in.
     pub fn load(dir: &Path, options: &RuntimeOptions) -> Result<Registry, LoadError> {
-        let mut registry = Registry::default();
+        let mut version_dirs = Vec::new();
         for name_dir in sorted_dirs(dir)? {
-            for version_dir in sorted_dirs(&name_dir)? {
-                if !version_dir.join("model.toml").is_file() {
-                    continue;
-                }
-                match LoadedModel::load(&version_dir, options) {
-                    Ok(model) => registry.insert(Arc::new(model)),
-                    Err(error) => registry.refused.push(Refused { dir: version_dir, error }),
-                }
+            version_dirs.extend(sorted_dirs(&name_dir)?.into_iter().filter(|d| d.join("model.toml").is_file()));
+        }
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(version_dirs.len());
+        let next = AtomicUsize::new(0);
+        let loaded: Mutex<Vec<(usize, Result<LoadedModel, LoadError>)>> = Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(version_dir) = version_dirs.get(i) else { break };
+                    let outcome = LoadedModel::load(version_dir, options);
+                    loaded.lock().unwrap_or_else(|e| e.into_inner()).push((i, outcome));
+                });
+            }
+        });
+        let mut loaded = loaded.into_inner().unwrap_or_else(|e| e.into_inner());
+        loaded.sort_by_key(|(i, _)| *i);
+        let mut registry = Registry::default();
+        for (i, outcome) in loaded {
+            match outcome {
+                Ok(model) => registry.insert(Arc::new(model)),
+                Err(error) => registry.refused.push(Refused { dir: version_dirs[i].clone(), error }),
             }
         }
         Ok(registry)
