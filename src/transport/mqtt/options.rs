@@ -2,9 +2,10 @@
 //! session settings that let the broker hold requests while the node is away.
 
 use crate::config::MqttConfig;
+use crate::tls::{Identity, TlsError, client_config};
 use rumqttc::v5::MqttOptions;
 use rumqttc::{NetworkOptions, TlsConfiguration, Transport};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,10 +15,8 @@ pub enum OptionsError {
     Url { url: String, why: String },
     #[error("{key} = {path}: cannot read: {source}")]
     File { key: &'static str, path: PathBuf, source: std::io::Error },
-    #[error("{key} = {path}: {why}")]
-    Pem { key: &'static str, path: PathBuf, why: String },
-    #[error("TLS setup: {0}")]
-    Tls(String),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
 
 /// Where the broker is.
@@ -104,60 +103,14 @@ pub fn client_options(
     Ok(options)
 }
 
-fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, OptionsError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let mut roots = rustls::RootCertStore::empty();
-    match &config.ca_file {
-        Some(path) => {
-            for cert in read_certs("mqtt.ca_file", path)? {
-                roots.add(cert).map_err(|e| OptionsError::Pem {
-                    key: "mqtt.ca_file",
-                    path: path.clone(),
-                    why: e.to_string(),
-                })?;
-            }
-        }
-        None => {
-            for cert in rustls_native_certs::load_native_certs().certs {
-                let _ = roots.add(cert);
-            }
-        }
-    }
-    if roots.is_empty() {
-        return Err(OptionsError::Tls(
-            "no CA certificates: set mqtt.ca_file to the PEM bundle that signed the broker's certificate"
-                .into(),
-        ));
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| OptionsError::Tls(e.to_string()))?
-        .with_root_certificates(roots);
-    let config = match (&config.client_cert_file, &config.client_key_file) {
+fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, TlsError> {
+    let identity = match (&config.client_cert_file, &config.client_key_file) {
         (Some(cert), Some(key)) => {
-            let chain = read_certs("mqtt.client_cert_file", cert)?;
-            let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| OptionsError::Pem {
-                key: "mqtt.client_key_file",
-                path: key.clone(),
-                why: format!("no PEM private key ({e})"),
-            })?;
-            builder.with_client_auth_cert(chain, key_der).map_err(|e| OptionsError::Tls(e.to_string()))?
+            Some(Identity { cert_key: "mqtt.client_cert_file", cert, key_key: "mqtt.client_key_file", key })
         }
-        _ => builder.with_no_client_auth(),
+        _ => None,
     };
-    fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, OptionsError> {
-        let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
-            .map_err(|e| OptionsError::Pem { key, path: path.into(), why: e.to_string() })?
-            .collect();
-        let certs = certs.map_err(|e| OptionsError::Pem { key, path: path.into(), why: e.to_string() })?;
-        if certs.is_empty() {
-            return Err(OptionsError::Pem { key, path: path.into(), why: "no PEM certificate in it".into() });
-        }
-        Ok(certs)
-    }
-    Ok(config)
+    client_config("mqtt.ca_file", config.ca_file.as_deref(), identity)
 }
 
 #[cfg(test)]

@@ -1,0 +1,82 @@
+//! rustls client settings shared by the MQTT connection and the cloud tier:
+//! one crypto stack (ring), and the system's roots or a PEM bundle.
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{key} = {path}: {why}")]
+    Pem { key: &'static str, path: PathBuf, why: String },
+    #[error("TLS setup: {0}")]
+    Setup(String),
+}
+
+/// A client certificate and key for mutual TLS, with the config keys that named them.
+pub struct Identity<'a> {
+    pub cert_key: &'static str,
+    pub cert: &'a Path,
+    pub key_key: &'static str,
+    pub key: &'a Path,
+}
+
+/// Trusts `ca_file` (named by config key `ca_key`) or, without one, the
+/// system's roots.
+pub fn client_config(
+    ca_key: &'static str,
+    ca_file: Option<&Path>,
+    identity: Option<Identity<'_>>,
+) -> Result<rustls::ClientConfig, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            for cert in read_certs(ca_key, path)? {
+                roots.add(cert).map_err(|e| TlsError::Pem {
+                    key: ca_key,
+                    path: path.into(),
+                    why: e.to_string(),
+                })?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    if roots.is_empty() {
+        return Err(TlsError::Setup(format!(
+            "no CA certificates: set {ca_key} to the PEM bundle that signed the server's certificate"
+        )));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Setup(e.to_string()))?
+        .with_root_certificates(roots);
+    Ok(match identity {
+        Some(id) => {
+            let chain = read_certs(id.cert_key, id.cert)?;
+            let key = PrivateKeyDer::from_pem_file(id.key).map_err(|e| TlsError::Pem {
+                key: id.key_key,
+                path: id.key.into(),
+                why: format!("no PEM private key ({e})"),
+            })?;
+            builder.with_client_auth_cert(chain, key).map_err(|e| TlsError::Setup(e.to_string()))?
+        }
+        None => builder.with_no_client_auth(),
+    })
+}
+
+fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = |why: String| TlsError::Pem { key, path: path.into(), why };
+    let certs: Result<Vec<_>, _> =
+        CertificateDer::pem_file_iter(path).map_err(|e| pem(e.to_string()))?.collect();
+    let certs = certs.map_err(|e| pem(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(pem("no PEM certificate in it".into()));
+    }
+    Ok(certs)
+}
