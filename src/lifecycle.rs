@@ -174,10 +174,11 @@ pub fn reload(
     engine: &Engine,
 ) -> Result<(Config, Reloaded), ReloadError> {
     let config = source.load()?;
-    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone() };
+    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: true };
     let registry = Registry::load(&config.node.models_dir, &runtime).map_err(|source| {
         ReloadError::Models { dir: config.node.models_dir.clone(), source: Box::new(source) }
     })?;
+    registry.plan_rest_in_background();
     let refused: Vec<String> =
         registry.refused.iter().map(|r| format!("{}: {}", r.dir.display(), r.error)).collect();
     for model in engine.registry().active() {

@@ -50,18 +50,21 @@ impl Registry {
     pub fn load(dir: &Path, options: &RuntimeOptions) -> Result<Registry, LoadError> {
         let mut version_dirs = Vec::new();
         for name_dir in sorted_dirs(dir)? {
-            version_dirs.extend(sorted_dirs(&name_dir)?.into_iter().filter(|d| d.join("model.toml").is_file()));
+            version_dirs
+                .extend(sorted_dirs(&name_dir)?.into_iter().filter(|d| d.join("model.toml").is_file()));
         }
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(version_dirs.len());
         let next = AtomicUsize::new(0);
         let loaded: Mutex<Vec<(usize, Result<LoadedModel, LoadError>)>> = Mutex::new(Vec::new());
         std::thread::scope(|scope| {
             for _ in 0..workers {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(version_dir) = version_dirs.get(i) else { break };
-                    let outcome = LoadedModel::load(version_dir, options);
-                    loaded.lock().unwrap_or_else(|e| e.into_inner()).push((i, outcome));
+                scope.spawn(|| {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(version_dir) = version_dirs.get(i) else { break };
+                        let outcome = LoadedModel::load(version_dir, options);
+                        loaded.lock().unwrap_or_else(|e| e.into_inner()).push((i, outcome));
+                    }
                 });
             }
         });
@@ -75,6 +78,24 @@ impl Registry {
             }
         }
         Ok(registry)
+    }
+
+    /// Plans the buckets a deferred load left out, on one thread (each
+    /// model's buckets in parallel); requests meanwhile run on the plans
+    /// already in service. A bucket that fails its golden vectors stays out
+    /// of service, with an error in the log.
+    pub fn plan_rest_in_background(&self) {
+        let models: Vec<Arc<LoadedModel>> = self.all().cloned().collect();
+        let spawned = std::thread::Builder::new().name("planner".into()).spawn(move || {
+            for model in models {
+                if let Err(e) = model.plan_rest() {
+                    tracing::error!("{e}; its larger batches run in chunks on the smaller plans");
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::error!("cannot start the planner thread: {e}; batches run on the smallest plans");
+        }
     }
 
     pub fn insert(&mut self, model: Arc<LoadedModel>) {

@@ -7,30 +7,50 @@ use crate::protocol::{Datatype, TensorData};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tract_onnx::prelude::*;
 
-/// How plans are built. Every bucket is planned at load (the shipped models
-/// plan in milliseconds), so no request ever waits for a plan.
+/// How plans are built. No request ever waits for a plan: a batch runs on
+/// the plans that are ready.
 #[derive(Debug, Clone)]
 pub struct RuntimeOptions {
     /// Batch sizes with a plan, ascending. A batch of n rows runs on the
-    /// smallest bucket >= n, padded; more rows than the largest bucket run in
-    /// chunks.
+    /// smallest planned bucket >= n, padded; more rows than the largest run
+    /// in chunks.
     pub batch_sizes: Vec<usize>,
+    /// Plan (and golden-check) only the smallest bucket in `load`, leaving
+    /// the others to `plan_rest`: `serve` does that on a background thread,
+    /// so a node is ready in the time one plan per model takes. Until a
+    /// bucket is planned, its batches run in chunks on the smaller ones.
+    pub defer: bool,
 }
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        RuntimeOptions { batch_sizes: vec![1, 2, 4, 8, 16, 32] }
+        RuntimeOptions { batch_sizes: vec![1, 2, 4, 8, 16, 32], defer: false }
     }
+}
+
+/// One batch size and its plan, once built and checked.
+struct Bucket {
+    size: usize,
+    plan: OnceLock<Arc<TypedSimplePlan>>,
+}
+
+/// What `plan_rest` needs to build the buckets `load` left out.
+struct Deferred {
+    typed: TypedModel,
+    batch: Symbol,
+    golden: Option<(Golden, f64)>,
 }
 
 /// One model version, verified and planned, ready to run batches.
 pub struct LoadedModel {
     pub manifest: Manifest,
     pub dir: PathBuf,
-    plans: Vec<(usize, Arc<TypedSimplePlan>)>,
+    buckets: Vec<Bucket>,
+    deferred: Mutex<Option<Deferred>>,
     pub kernels: KernelReport,
     /// Reading, hashing, parsing, planning and the golden check.
     pub load_time: Duration,
@@ -98,18 +118,32 @@ impl LoadedModel {
             -1 => options.batch_sizes.clone(),
             fixed => vec![fixed as usize],
         };
-        let plans = plan_all(&typed, &batch, &sizes).map_err(tract_err)?;
+        let now = if options.defer { &sizes[..1] } else { &sizes[..] };
+        let plans = plan_all(&typed, &batch, now).map_err(tract_err)?;
         let planned = start.elapsed();
-        let kernels = KernelReport::of(plans[0].1.model());
-        let mut model =
-            LoadedModel { manifest, dir: dir.to_owned(), plans, kernels, load_time: Duration::ZERO };
-        if let Some(spec) = &model.manifest.golden {
-            let golden = Golden::read(&dir.join(&spec.file))?;
-            model.check_golden(&golden, spec.tolerance)?;
+        let golden = match &manifest.golden {
+            Some(spec) => Some((Golden::read(&dir.join(&spec.file))?, spec.tolerance)),
+            None => None,
+        };
+        let model = LoadedModel {
+            kernels: KernelReport::of(plans[0].1.model()),
+            manifest,
+            dir: dir.to_owned(),
+            buckets: sizes.iter().map(|&size| Bucket { size, plan: OnceLock::new() }).collect(),
+            deferred: Mutex::new(None),
+            load_time: Duration::ZERO,
+        };
+        for (size, plan) in plans {
+            model.admit(size, plan, golden.as_ref())?;
+        }
+        let mut model = model;
+        if now.len() < sizes.len() {
+            *model.deferred.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(Deferred { typed, batch, golden });
         }
         model.load_time = start.elapsed();
         tracing::debug!(
-            "{} {}: read and hashed in {read:.1?}, parsed in {:.1?}, planned in {:.1?}, golden check in {:.1?}",
+            "{} {}: read and hashed in {read:.1?}, parsed in {:.1?}, planned {now:?} in {:.1?}, golden check in {:.1?}",
             model.name(),
             model.version(),
             parsed - read,
@@ -117,6 +151,46 @@ impl LoadedModel {
             model.load_time - planned
         );
         Ok(model)
+    }
+
+    /// Golden-checks a plan and puts it in service.
+    fn admit(
+        &self,
+        size: usize,
+        plan: Arc<TypedSimplePlan>,
+        golden: Option<&(Golden, f64)>,
+    ) -> Result<(), LoadError> {
+        if let Some((golden, tolerance)) = golden {
+            self.check_golden(size, &plan, golden, *tolerance)?;
+        }
+        if let Some(bucket) = self.buckets.iter().find(|b| b.size == size) {
+            let _ = bucket.plan.set(plan);
+        }
+        Ok(())
+    }
+
+    /// Plans the buckets `load` deferred. A bucket that fails is left
+    /// unplanned (its batches keep running on smaller plans) and reported.
+    pub fn plan_rest(&self) -> Result<(), LoadError> {
+        let Some(d) = self.deferred.lock().unwrap_or_else(|e| e.into_inner()).take() else { return Ok(()) };
+        let started = Instant::now();
+        let rest: Vec<usize> =
+            self.buckets.iter().filter(|b| b.plan.get().is_none()).map(|b| b.size).collect();
+        let plans = plan_all(&d.typed, &d.batch, &rest).map_err(|e| LoadError::Tract {
+            model: self.manifest.name.clone(),
+            version: self.manifest.version.clone(),
+            message: format!("{e:#}"),
+        })?;
+        for (size, plan) in plans {
+            self.admit(size, plan, d.golden.as_ref())?;
+        }
+        tracing::debug!("{} {}: planned {rest:?} in {:.1?}", self.name(), self.version(), started.elapsed());
+        Ok(())
+    }
+
+    /// Batch sizes with a plan in service now.
+    pub fn planned_sizes(&self) -> Vec<usize> {
+        self.buckets.iter().filter(|b| b.plan.get().is_some()).map(|b| b.size).collect()
     }
 
     pub fn name(&self) -> &str {
@@ -127,12 +201,13 @@ impl LoadedModel {
         &self.manifest.version
     }
 
+    /// Every configured batch size, planned or not yet.
     pub fn batch_sizes(&self) -> Vec<usize> {
-        self.plans.iter().map(|(b, _)| *b).collect()
+        self.buckets.iter().map(|b| b.size).collect()
     }
 
     pub fn max_batch(&self) -> usize {
-        self.plans.last().map(|(b, _)| *b).unwrap_or(1)
+        self.buckets.last().map(|b| b.size).unwrap_or(1)
     }
 
     /// Runs `rows` rows of already preprocessed input (typed as the model's
@@ -147,19 +222,17 @@ impl LoadedModel {
         }
         let mut outputs: Vec<RawOutput> = Vec::new();
         let mut done = 0;
+        let ready: Vec<(usize, &Arc<TypedSimplePlan>)> =
+            self.buckets.iter().filter_map(|b| Some((b.size, b.plan.get()?))).collect();
         while done < rows {
             let left = rows - done;
-            let (bucket, plan) = self
-                .plans
+            let &(bucket, plan) = ready
                 .iter()
                 .find(|(b, _)| *b >= left)
-                .or(self.plans.last())
-                .expect("a loaded model has at least one plan");
-            let take = left.min(*bucket);
-            let tensor = self
-                .input_tensor(input, done, take, *bucket)
-                .map_err(|e| self.run_error(format!("{e:#}")))?;
-            let result = plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))?;
+                .or(ready.last())
+                .expect("a loaded model has its smallest bucket planned");
+            let take = left.min(bucket);
+            let result = self.run_plan(plan, input, done, take, bucket)?;
             for (i, value) in result.iter().enumerate() {
                 let (shape, data) = output_rows(value, take).map_err(|e| self.run_error(format!("{e:#}")))?;
                 match outputs.get_mut(i) {
@@ -177,6 +250,20 @@ impl LoadedModel {
             done += take;
         }
         Ok(outputs)
+    }
+
+    fn run_plan(
+        &self,
+        plan: &Arc<TypedSimplePlan>,
+        input: &TensorData,
+        first_row: usize,
+        rows: usize,
+        bucket: usize,
+    ) -> Result<TVec<TValue>, RunError> {
+        let tensor = self
+            .input_tensor(input, first_row, rows, bucket)
+            .map_err(|e| self.run_error(format!("{e:#}")))?;
+        plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))
     }
 
     fn run_error(&self, message: String) -> RunError {
@@ -214,11 +301,17 @@ impl LoadedModel {
         }
     }
 
-    /// Runs every golden vector through every plan (cycled to fill the batch)
-    /// and compares output 0 with the reference.
-    fn check_golden(&self, golden: &Golden, tolerance: f64) -> Result<(), LoadError> {
+    /// Runs the golden vectors through `plan` (cycled to fill its `batch`
+    /// rows) and compares output 0 with the reference.
+    fn check_golden(
+        &self,
+        batch: usize,
+        plan: &Arc<TypedSimplePlan>,
+        golden: &Golden,
+        tolerance: f64,
+    ) -> Result<(), LoadError> {
         let spec = &self.manifest.input;
-        let refuse = |vector: usize, batch: usize, max_diff: f64| LoadError::Golden {
+        let refuse = |vector: usize, max_diff: f64| LoadError::Golden {
             model: self.manifest.name.clone(),
             version: self.manifest.version.clone(),
             vector,
@@ -226,33 +319,33 @@ impl LoadedModel {
             max_diff,
             tolerance,
         };
-        for (batch, _) in &self.plans {
-            let mut raw = Vec::with_capacity(batch * spec.row_len());
-            for i in 0..*batch {
-                raw.extend_from_slice(&golden.vectors[i % golden.vectors.len()].input);
+        let mut raw = Vec::with_capacity(batch * spec.row_len());
+        for i in 0..batch {
+            raw.extend_from_slice(&golden.vectors[i % golden.vectors.len()].input);
+        }
+        let input = self
+            .manifest
+            .preprocess
+            .apply(TensorData::Number(raw), spec.datatype)
+            .map_err(|m| self.golden_error(m))?;
+        let outputs =
+            self.run_plan(plan, &input, 0, batch, batch).map_err(|e| self.golden_error(e.to_string()))?;
+        let (_, first) = output_rows(&outputs[0], batch).map_err(|e| self.golden_error(format!("{e:#}")))?;
+        let got = first.to_f64();
+        let width = got.len() / batch;
+        for row in 0..batch {
+            let vector = row % golden.vectors.len();
+            let expected = &golden.vectors[vector].expected;
+            if expected.len() != width {
+                return Err(refuse(vector, f64::INFINITY));
             }
-            let input = self
-                .manifest
-                .preprocess
-                .apply(TensorData::Number(raw), spec.datatype)
-                .map_err(|m| self.golden_error(m))?;
-            let outputs = self.run(*batch, &input).map_err(|e| self.golden_error(e.to_string()))?;
-            let got = outputs[0].data.to_f64();
-            let width = got.len() / batch;
-            for row in 0..*batch {
-                let vector = row % golden.vectors.len();
-                let expected = &golden.vectors[vector].expected;
-                if expected.len() != width {
-                    return Err(refuse(vector, *batch, f64::INFINITY));
-                }
-                let max_diff = got[row * width..(row + 1) * width]
-                    .iter()
-                    .zip(expected)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f64::max);
-                if max_diff.is_nan() || max_diff > tolerance {
-                    return Err(refuse(vector, *batch, max_diff));
-                }
+            let max_diff = got[row * width..(row + 1) * width]
+                .iter()
+                .zip(expected)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            if max_diff.is_nan() || max_diff > tolerance {
+                return Err(refuse(vector, max_diff));
             }
         }
         Ok(())
@@ -269,7 +362,11 @@ impl LoadedModel {
 /// One optimized plan per batch size, planned on parallel threads: planning
 /// is most of a model's load time and the sizes are independent, so this is
 /// what brings a node's start under its budget on a multi-core gateway.
-fn plan_all(typed: &TypedModel, batch: &Symbol, sizes: &[usize]) -> TractResult<Vec<(usize, Arc<TypedSimplePlan>)>> {
+fn plan_all(
+    typed: &TypedModel,
+    batch: &Symbol,
+    sizes: &[usize],
+) -> TractResult<Vec<(usize, Arc<TypedSimplePlan>)>> {
     std::thread::scope(|scope| {
         let planning: Vec<_> = sizes
             .iter()

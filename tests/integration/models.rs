@@ -89,8 +89,10 @@ fn int8_model_runs_integer_kernels_and_f32_runs_float() {
 #[test]
 fn rows_beyond_the_largest_plan_run_in_chunks_with_the_same_answers() {
     let dir = models_dir().join("digits/1");
-    let small = LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: vec![1, 4] }).unwrap();
-    let big = LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: vec![1, 32] }).unwrap();
+    let small =
+        LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: vec![1, 4], ..Default::default() }).unwrap();
+    let big =
+        LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: vec![1, 32], ..Default::default() }).unwrap();
     let rows: Vec<f64> = heldout().iter().take(11).flat_map(|(_, px)| px.clone()).collect();
     let input =
         small.manifest.preprocess.apply(TensorData::Number(rows), small.manifest.input.datatype).unwrap();
@@ -101,6 +103,30 @@ fn rows_beyond_the_largest_plan_run_in_chunks_with_the_same_answers() {
     assert_eq!(a.len(), 110);
     let max_diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
     assert!(max_diff < 1e-5, "chunked vs padded differ by {max_diff}");
+}
+
+#[test]
+fn a_deferred_load_serves_on_its_first_plan_and_plans_the_rest_later_with_the_same_answers() {
+    let dir = models_dir().join("digits/1");
+    let sizes = vec![1, 2, 4, 8];
+    let eager =
+        LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: sizes.clone(), defer: false }).unwrap();
+    let lazy = LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: sizes.clone(), defer: true }).unwrap();
+    assert_eq!(eager.planned_sizes(), sizes);
+    assert_eq!(lazy.planned_sizes(), vec![1], "only the smallest plan before load returns");
+    assert_eq!(lazy.batch_sizes(), sizes, "the others are still configured");
+    let rows: Vec<f64> = heldout().iter().take(7).flat_map(|(_, px)| px.clone()).collect();
+    let input =
+        lazy.manifest.preprocess.apply(TensorData::Number(rows), lazy.manifest.input.datatype).unwrap();
+    let reference = eager.run(7, &input).unwrap()[0].data.to_f64();
+    let close = |got: Vec<f64>| reference.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let before = lazy.run(7, &input).unwrap();
+    assert_eq!(before[0].shape, vec![7, 10]);
+    assert!(close(before[0].data.to_f64()) < 1e-5, "7 rows on the batch-1 plan");
+    lazy.plan_rest().unwrap();
+    assert_eq!(lazy.planned_sizes(), sizes);
+    assert!(close(lazy.run(7, &input).unwrap()[0].data.to_f64()) < 1e-5, "7 rows on the batch-8 plan");
+    lazy.plan_rest().unwrap();
 }
 
 fn copy_version(from: &Path, to: &Path, name: &str) {
