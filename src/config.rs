@@ -91,12 +91,41 @@ pub struct HttpConfig {
     pub listen: String,
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+/// The opt-in cloud tier. With `enabled = false` (the default) nothing
+/// connects to it.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CloudConfig {
     pub enabled: bool,
+    /// Base URL of an Open Inference Protocol server (`http://` or `https://`).
     pub url: String,
+    /// Bearer token; prefer `token_file` or `EDGEINFER_CLOUD__TOKEN`; never logged.
+    pub token: Option<Secret>,
     pub token_file: Option<PathBuf>,
+    /// PEM CA bundle for https://; default: the system's roots.
+    pub ca_file: Option<PathBuf>,
+    pub connect_timeout_ms: u64,
+    /// The longest an escalation waits for the cloud when the request gives
+    /// no deadline (each attempt and all retries together).
+    pub timeout_ms: u64,
+    /// Calls to the cloud at once; more escalations answer from the edge.
+    pub max_concurrency: usize,
+    /// Retries of a failed call (with jittered backoff), only while the
+    /// request's deadline leaves time for them.
+    pub retries: u32,
+    /// Failed calls in a row that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker refuses calls before one probe goes out.
+    pub breaker_open_ms: u64,
+    /// Time kept before a request's deadline for the edge answer when the
+    /// cloud is slow.
+    pub reserve_ms: u64,
+    /// `quality` requests get the edge answer (marked degraded) when the
+    /// cloud fails; false: they get `cloud_unavailable`.
+    pub fallback: bool,
+    /// Async escalations kept while the cloud is away; the oldest go first.
+    pub spool_max_entries: usize,
+    pub spool_max_bytes: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -177,6 +206,12 @@ pub struct ModelConfig {
     pub cloud_model: Option<String>,
     /// Escalate to the cloud tier when confidence is below this.
     pub threshold: f32,
+    /// What "confidence" is for the threshold: `max` (the top probability)
+    /// or `margin` (top minus second), taken over the worst row.
+    pub confidence: crate::protocol::Confidence,
+    /// `sync`: an escalated request waits for the cloud; `async`: it gets
+    /// the edge answer at once (`final: false`), the cloud's follows.
+    pub enrich: crate::protocol::Enrich,
     /// Batching for this model; unset keys take the `[runtime]` ones.
     pub max_batch: Option<usize>,
     pub max_delay_us: Option<u64>,
@@ -232,6 +267,28 @@ impl Default for HttpConfig {
     }
 }
 
+impl Default for CloudConfig {
+    fn default() -> Self {
+        CloudConfig {
+            enabled: false,
+            url: String::new(),
+            token: None,
+            token_file: None,
+            ca_file: None,
+            connect_timeout_ms: 500,
+            timeout_ms: 2000,
+            max_concurrency: 16,
+            retries: 2,
+            breaker_failures: 5,
+            breaker_open_ms: 10_000,
+            reserve_ms: 10,
+            fallback: true,
+            spool_max_entries: 10_000,
+            spool_max_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
@@ -255,7 +312,9 @@ impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             cloud_model: None,
-            threshold: 0.8,
+            threshold: 0.99,
+            confidence: Default::default(),
+            enrich: Default::default(),
             max_batch: None,
             max_delay_us: None,
             latency_budget_ms: None,
@@ -382,6 +441,24 @@ impl Config {
                     self.cloud.url
                 ),
             );
+        }
+        let cloud = &self.cloud;
+        for (key, value, range) in [
+            ("cloud.connect_timeout_ms", cloud.connect_timeout_ms, 1..=60_000),
+            ("cloud.timeout_ms", cloud.timeout_ms, 1..=600_000),
+            ("cloud.breaker_open_ms", cloud.breaker_open_ms, 1..=3_600_000),
+            ("cloud.reserve_ms", cloud.reserve_ms, 0..=10_000),
+            ("cloud.max_concurrency", cloud.max_concurrency as u64, 1..=4096),
+            ("cloud.retries", cloud.retries as u64, 0..=10),
+            ("cloud.breaker_failures", cloud.breaker_failures as u64, 1..=1000),
+            ("cloud.spool_max_entries", cloud.spool_max_entries as u64, 1..=10_000_000),
+        ] {
+            if !range.contains(&value) {
+                return bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
+            }
+        }
+        if cloud.token.is_some() && cloud.token_file.is_some() {
+            return bad("cloud.token", "give cloud.token or cloud.token_file, not both".into());
         }
         let sizes = &self.runtime.batch_sizes;
         if sizes.first() != Some(&1)

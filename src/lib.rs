@@ -7,10 +7,12 @@
 
 pub mod admin;
 pub mod bench;
+pub mod cloud;
 pub mod config;
 pub mod engine;
 pub mod lifecycle;
 pub mod model;
 pub mod protocol;
 pub mod telemetry;
+pub mod tls;
 pub mod transport;

@@ -2,8 +2,9 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use edgeinfer::cloud::{Cloud, CloudOptions, spool};
 use edgeinfer::config::Config;
-use edgeinfer::engine::{Cache, CacheOptions, Engine, EngineOptions, Target};
+use edgeinfer::engine::{Cache, CacheOptions, Engine, EngineOptions, Target, Tiers};
 use edgeinfer::lifecycle::{self, Notifier, ReloadSource, Signal};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::Encoding;
@@ -174,6 +175,13 @@ struct BenchArgs {
     /// Send `parameters.cache = false`: the node skips its cache.
     #[arg(long, conflicts_with = "input")]
     no_cache: bool,
+    /// Instead of load: the edge/cloud trade-off on a labelled split (CSV
+    /// `label,x1,...`, like models/heldout/digits.csv). Each row is sent one
+    /// at a time with tier fast and tier quality; prints, per threshold, the
+    /// share answered at the edge, the accuracy and the mean round trip. The
+    /// node needs [cloud] enabled.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["input", "echo", "distinct", "no_cache"])]
+    cascade: Option<PathBuf>,
     /// Print the report as JSON on standard output.
     #[arg(long)]
     json: bool,
@@ -229,8 +237,10 @@ fn run(cli: Cli) -> Result<i32> {
         config.node.models_dir = dir.clone();
     }
     // Every command but the load generator reads the models directory.
-    let load_models = |config: &Config| -> Result<Registry> {
-        let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone() };
+    // `defer`: only the smallest plan before returning (the rest is planned
+    // in the background by serve, or never needed by one request).
+    let load_models = |config: &Config, defer: bool| -> Result<Registry> {
+        let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer };
         let registry = Registry::load(&config.node.models_dir, &runtime)
             .with_context(|| "loading models (set node.models_dir or --models-dir)")?;
         for refused in &registry.refused {
@@ -248,13 +258,14 @@ fn run(cli: Cli) -> Result<i32> {
             rt.block_on(bench(&config, args))
         }
         Command::Serve => {
-            let registry = load_models(&config)?;
+            let registry = load_models(&config, true)?;
+            registry.plan_rest_in_background();
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let source = ReloadSource { config_file: cli.config.clone(), models_dir: cli.models_dir.clone() };
             rt.block_on(serve(config, registry, source))
         }
         Command::Infer { model, model_version, input, postcard } => {
-            let registry = load_models(&config)?;
+            let registry = load_models(&config, true)?;
             let payload = read_input(&input)?;
             let engine = Engine::new(
                 Arc::new(registry),
@@ -265,8 +276,7 @@ fn run(cli: Cli) -> Result<i32> {
             );
             let encoding = if postcard { Encoding::Postcard } else { Encoding::Json };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let target =
-                Target { model: &model, version: model_version.as_deref(), deadline: None, transport: "cli" };
+            let target = Target { version: model_version.as_deref(), ..Target::model(&model) };
             let handled = rt.block_on(engine.handle(target, &payload, encoding));
             let mut out = std::io::stdout().lock();
             out.write_all(&handled.reply)?;
@@ -276,7 +286,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(if handled.outcome.is_ok() { 0 } else { 2 })
         }
         Command::Models { command: ModelsCommand::List } => {
-            let registry = load_models(&config)?;
+            let registry = load_models(&config, false)?;
             println!(
                 "{:<16} {:<8} {:<6} {:<9} {:<10} STATUS",
                 "MODEL", "VERSION", "QUANT", "KERNELS", "SHA256"
@@ -298,7 +308,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Models { command: ModelsCommand::Verify { iterations } } => {
-            let registry = load_models(&config)?;
+            let registry = load_models(&config, false)?;
             for m in registry.all() {
                 let kernels = &m.kernels;
                 println!(
@@ -359,10 +369,40 @@ async fn serve(config: Config, registry: Registry, source: ReloadSource) -> Resu
     let metrics = if config.telemetry.metrics { edgeinfer::telemetry::install() } else { None };
     edgeinfer::telemetry::describe_models(&registry);
     let cache = Cache::open(CacheOptions::from_config(&config));
-    let engine = Arc::new(Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache));
+    let mut engine = Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache);
+    let (cloud, spool_task) = match CloudOptions::from_config(&config)? {
+        Some(options) => {
+            let cloud = Arc::new(Cloud::new(options)?);
+            let dir = config.node.state_dir.join("spool");
+            let (spool, task) =
+                match spool::open(&dir, config.cloud.spool_max_entries, config.cloud.spool_max_bytes) {
+                    Ok((spool, task)) => (Some(spool), Some(task)),
+                    Err(e) => {
+                        tracing::error!("{e}; async escalations are answered synchronously");
+                        (None, None)
+                    }
+                };
+            engine = engine.with_tiers(Tiers { cloud: cloud.clone(), spool });
+            tracing::info!("cloud tier: {} (escalating below each model's threshold)", config.cloud.url);
+            (Some(cloud), task)
+        }
+        None => {
+            tracing::info!("cloud tier off (cloud.enabled = false): no request leaves this node");
+            (None, None)
+        }
+    };
+    let engine = Arc::new(engine);
+    let (follow_ups, follow_ups_rx) = tokio::sync::mpsc::unbounded_channel();
+    if let (Some(cloud), Some(task)) = (cloud, spool_task) {
+        let weak = Arc::downgrade(&engine);
+        let finish: spool::Finish =
+            Arc::new(move |entry, cloud| weak.upgrade()?.finish_escalation(entry, cloud));
+        tokio::spawn(task.run(cloud, finish, follow_ups));
+    }
     tracing::info!("node {}: serving {} over {}", config.node.id, serving(&engine), config.mqtt.url);
     let status = Status::new(&config.node.id, &engine.registry(), unix_now());
     let (service, mut mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
+    let service = service.with_follow_ups(follow_ups_rx);
     let heartbeat = service.heartbeat();
     let refresh_status = service.status_refresher();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -515,6 +555,18 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
         }
     };
     let url = args.url.clone().unwrap_or_else(|| config.mqtt.url.clone());
+    if let Some(split) = &args.cascade {
+        let rows = edgeinfer::bench::read_split(split)?;
+        let thresholds: Vec<f64> =
+            [0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995].into_iter().collect();
+        let report = edgeinfer::bench::run_cascade(&url, &topic, rows, &thresholds).await?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print!("{report}");
+        }
+        return Ok(0);
+    }
     if args.echo {
         edgeinfer::bench::run_echo(&url, &topic, args.qos == 1).await?;
     }

@@ -5,11 +5,13 @@
 //! hide its queueing). `--echo` starts a trivial responder on the same broker
 //! so the broker's own round-trip floor is measured with the same client.
 
+mod cascade;
 mod client;
 mod echo;
 mod load;
 mod report;
 
+pub use cascade::{CascadeReport, read_split, run_cascade};
 pub use echo::run_echo;
 pub use load::run;
 pub use report::Report;
@@ -68,4 +70,6 @@ pub enum BenchError {
     Options(#[from] crate::transport::mqtt::OptionsError),
     #[error("cannot connect to {url}: {message}")]
     Connect { url: String, message: String },
+    #[error("{0}")]
+    Cascade(String),
 }

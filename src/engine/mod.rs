@@ -4,6 +4,7 @@
 
 mod batch;
 pub mod cache;
+mod cascade;
 mod decode;
 mod postprocess;
 mod preprocess;
@@ -13,13 +14,15 @@ mod run;
 
 pub use batch::BatchPolicy;
 pub use cache::{Cache, CacheOptions};
+pub use cascade::{CascadePolicy, Tiers};
 pub use decode::{Peek, decode, peek};
 pub use reply::encode;
 pub use run::Runner;
 
+use crate::cloud::{FollowUp, ReplyRoute, SpoolEntry};
 use crate::config::LimitsConfig;
 use crate::model::Registry;
-use crate::protocol::{Encoding, ErrorCode, InferError, InferRequest, InferResponse};
+use crate::protocol::{Encoding, Enrich, ErrorCode, InferError, InferRequest, InferResponse, Tier};
 use crate::telemetry::{self, Stage};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +40,19 @@ pub struct EngineOptions {
     pub batching: BatchPolicy,
     /// Per-model batching, by model name.
     pub model_batching: HashMap<String, BatchPolicy>,
+    /// How models escalate to the cloud tier (used only with one), by name;
+    /// models not listed take `default_cascade` with their own name.
+    pub cascade: HashMap<String, CascadePolicy>,
+    pub default_cascade: CascadePolicy,
+}
+
+impl EngineOptions {
+    fn cascade(&self, model: &str) -> CascadePolicy {
+        self.cascade.get(model).cloned().unwrap_or_else(|| CascadePolicy {
+            cloud_model: model.to_string(),
+            ..self.default_cascade.clone()
+        })
+    }
 }
 
 impl Default for EngineOptions {
@@ -48,6 +64,8 @@ impl Default for EngineOptions {
             queue_capacity: 1024,
             batching: BatchPolicy::default(),
             model_batching: HashMap::new(),
+            cascade: HashMap::new(),
+            default_cascade: CascadePolicy::from_config(&Default::default(), ""),
         }
     }
 }
@@ -62,6 +80,12 @@ impl EngineOptions {
             queue_capacity: config.runtime.queue_capacity,
             batching: config.batch_policy(""),
             model_batching: config.models.keys().map(|m| (m.clone(), config.batch_policy(m))).collect(),
+            cascade: config
+                .models
+                .keys()
+                .map(|m| (m.clone(), CascadePolicy::from_config(config, m)))
+                .collect(),
+            default_cascade: CascadePolicy::from_config(config, ""),
         }
     }
 }
@@ -78,11 +102,14 @@ pub struct Target<'a> {
     pub deadline: Option<Duration>,
     /// `mqtt`, `http` or `cli`: the `transport` label of the request metrics.
     pub transport: &'static str,
+    /// Where a second reply can go (MQTT); without one, async enrichment
+    /// is answered synchronously.
+    pub follow_up: Option<&'a ReplyRoute>,
 }
 
 impl<'a> Target<'a> {
     pub fn model(model: &'a str) -> Self {
-        Target { model, version: None, deadline: None, transport: "cli" }
+        Target { model, version: None, deadline: None, transport: "cli", follow_up: None }
     }
 }
 
@@ -103,6 +130,8 @@ pub struct Engine {
     cache: Cache,
     /// Why the last reload was refused, for the status.
     reload_error: std::sync::Mutex<Option<String>>,
+    /// The cloud tier, when `cloud.enabled`.
+    tiers: Option<Tiers>,
 }
 
 /// One set of loaded models with their inference threads and settings.
@@ -176,7 +205,25 @@ impl Engine {
             current: std::sync::RwLock::new(Arc::new(generation)),
             cache,
             reload_error: Default::default(),
+            tiers: None,
         }
+    }
+
+    /// Escalates to the cloud tier from now on.
+    pub fn with_tiers(mut self, tiers: Tiers) -> Engine {
+        self.tiers = Some(tiers);
+        self
+    }
+
+    pub fn cloud_state(&self) -> Option<crate::cloud::BreakerState> {
+        self.tiers.as_ref().map(|t| t.cloud.breaker_state())
+    }
+
+    /// The reply that ends a spooled escalation (the spool task calls it).
+    pub fn finish_escalation(&self, entry: &SpoolEntry, cloud: Option<InferResponse>) -> Option<FollowUp> {
+        let generation = self.current();
+        let model = generation.registry.get(&entry.model, None).ok();
+        cascade::finish(model.as_deref(), entry, cloud, &generation.options.node_id)
     }
 
     fn current(&self) -> Arc<Generation> {
@@ -242,6 +289,7 @@ impl Engine {
             registry: self.registry(),
             requests: self.request_counts(),
             cache: self.cache.health(),
+            cloud: self.cloud_state().map(|s| s.as_str()),
             reload_error: self.reload_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         }
     }
@@ -347,28 +395,80 @@ impl Engine {
             Some(ms) => format!("parameters.deadline_ms = {ms}"),
             None => "the message expiry interval".to_string(),
         };
+        let tier = req.parameters.tier.unwrap_or_default();
+        let tiers = self.tiers.as_ref();
+        let policy = tiers.map(|_| generation.options.cascade(model.name()));
         let cached = match req.parameters.cache {
             Some(false) => None,
-            _ => {
-                self.cache.ttl(model.name()).map(|ttl| (cache::Key::new(&model, &req, &prepared.input), ttl))
-            }
+            _ => self.cache.ttl(model.name()).map(|ttl| {
+                let key = cache::Key::new(&model, &req, &prepared.input);
+                (if tiers.is_some() { key.for_tier(tier) } else { key }, ttl)
+            }),
         };
+        let deadline_at = deadline.map(|d| start + d);
+        // The cloud gets what is left minus a reserve, so a slow cloud still
+        // leaves time to send the edge answer.
+        let cloud_deadline = deadline_at.map(|at| {
+            let reserve = tiers.map(|t| t.cloud.options.reserve).unwrap_or_default();
+            at.checked_sub(reserve).unwrap_or(start)
+        });
+        let node = generation.options.node_id.as_str();
         let answer = async {
             let ticket = match cached {
                 Some((key, ttl)) => match self.cache.lookup(model.name(), key, ttl).await {
                     cache::Lookup::Hit(mut response) => {
                         response.id.clone_from(&req.id);
+                        let is_async = policy
+                            .as_ref()
+                            .is_some_and(|p| req.parameters.enrich.unwrap_or(p.enrich) == Enrich::Async);
+                        response.parameters.is_final = is_async.then_some(true);
                         return Ok(response);
                     }
                     cache::Lookup::Miss(ticket) => Some(ticket),
                 },
                 None => None,
             };
-            let outputs = runner.run(prepared, deadline.map(|d| start + d)).await?;
-            let post = Instant::now();
-            let response = postprocess::respond(&model, &req, outputs, &generation.options.node_id)?;
-            telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
-            if let Some(ticket) = ticket {
+            let edge_answer = async {
+                let outputs = runner.run(prepared, deadline_at).await?;
+                let post = Instant::now();
+                let measure = policy.as_ref().map(|p| p.confidence).unwrap_or_default();
+                let confidence = cascade::confidence(&model, &outputs, measure);
+                let response = postprocess::respond(&model, &req, outputs, node)?;
+                telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
+                Ok::<_, InferError>((response, confidence))
+            };
+            let response = match (tier, tiers, &policy) {
+                (Tier::Quality, Some(tiers), Some(policy)) => {
+                    cascade::count_escalation(model.name(), "quality");
+                    let cloud = tiers.cloud.infer(model.name(), &policy.cloud_model, &req, cloud_deadline);
+                    let (edge, cloud) = tokio::join!(edge_answer, cloud);
+                    cascade::quality(tiers, &model, &req, edge?.0, cloud, node)?
+                }
+                (Tier::Quality, None, _) => cascade::degrade(model.name(), edge_answer.await?.0),
+                (Tier::Standard, Some(tiers), Some(policy)) => {
+                    let (mut edge, confidence) = edge_answer.await?;
+                    let enrich = req.parameters.enrich.unwrap_or(policy.enrich);
+                    if !confidence.is_some_and(|c| c < policy.threshold) {
+                        edge.parameters.is_final = (enrich == Enrich::Async).then_some(true);
+                        edge
+                    } else if let (Enrich::Async, Some(spool), Some(route)) =
+                        (enrich, &tiers.spool, target.follow_up)
+                        && cascade::spool(spool, policy, model.name(), &req, &edge, route).await
+                    {
+                        edge.parameters.is_final = Some(false);
+                        edge
+                    } else {
+                        cascade::escalate(tiers, policy, &model, &req, edge, cloud_deadline, node).await
+                    }
+                }
+                _ => edge_answer.await?.0,
+            };
+            // Only answers that end the request are kept: not a degraded one
+            // (the cloud may be back next time), not a provisional one.
+            if let Some(ticket) = ticket
+                && !response.parameters.degraded
+                && response.parameters.is_final != Some(false)
+            {
                 self.cache.store(ticket, &response);
             }
             Ok(response)

@@ -50,6 +50,9 @@ pub struct WireResponse {
     pub label: Option<String>,
     pub confidence: Option<f32>,
     pub top_k: Vec<TopK>,
+    /// Appended with the cloud tier (older decoders stop before them).
+    pub degraded: bool,
+    pub is_final: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -84,6 +87,8 @@ impl From<WireRequest> for InferRequest {
                 cache: w.cache,
                 top_k: w.top_k,
                 model_version: w.model_version,
+                // Not in the postcard schema: the model's `enrich` setting applies.
+                enrich: None,
             },
         }
     }
@@ -130,6 +135,8 @@ impl From<InferResponse> for WireResponse {
             label: r.parameters.label,
             confidence: r.parameters.confidence,
             top_k: r.parameters.top_k.unwrap_or_default(),
+            degraded: r.parameters.degraded,
+            is_final: r.parameters.is_final,
         }
     }
 }
@@ -157,6 +164,8 @@ impl From<WireResponse> for InferResponse {
                 label: w.label,
                 confidence: w.confidence,
                 top_k: (!w.top_k.is_empty()).then_some(w.top_k),
+                degraded: w.degraded,
+                is_final: w.is_final,
             },
         }
     }

@@ -123,6 +123,29 @@ pub enum Tier {
     Quality,
 }
 
+/// `parameters.enrich`: whether an escalated request waits for the cloud.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Enrich {
+    /// One reply: the cloud's answer, or the edge's when the cloud fails.
+    #[default]
+    Sync,
+    /// The edge answer at once (`final: false`), the cloud's after it
+    /// (`final: true`) on the same reply topic. MQTT only.
+    Async,
+}
+
+/// How a model's confidence is measured against its threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Confidence {
+    /// The top class probability.
+    #[default]
+    Max,
+    /// The top probability minus the second.
+    Margin,
+}
+
 /// An inference request (OIP v2 with edgeinfer's optional `reply_to`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct InferRequest {
@@ -187,6 +210,8 @@ pub struct RequestParameters {
     pub top_k: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_version: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enrich: Option<Enrich>,
 }
 
 /// A successful reply.
@@ -240,6 +265,13 @@ pub struct ResponseParameters {
     pub confidence: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<Vec<TopK>>,
+    /// The cloud tier was wanted but did not answer: this is the edge's answer.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub degraded: bool,
+    /// Only for async enrichment: false on the provisional edge answer, true
+    /// on the reply that ends the request.
+    #[serde(rename = "final", skip_serializing_if = "Option::is_none")]
+    pub is_final: Option<bool>,
 }
 
 /// One entry of the `top_k` list: a label and its probability, best first.

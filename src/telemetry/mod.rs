@@ -42,6 +42,26 @@ pub const CACHE_DISK_ENABLED: &str = "edgeinfer_cache_disk_enabled";
 pub const CACHE_DISK_ERRORS: &str = "edgeinfer_cache_disk_errors_total";
 /// Answers not written to disk because the writer was too far behind.
 pub const CACHE_WRITES_DROPPED: &str = "edgeinfer_cache_writes_dropped_total";
+/// Escalations to the cloud tier, by `model` and `mode` (`sync`, `async`,
+/// `quality`); the escalation rate is this over `edgeinfer_requests_total`.
+pub const CLOUD_ESCALATIONS: &str = "edgeinfer_cloud_escalations_total";
+/// Calls to the cloud tier, by `model` and `outcome` (`ok`, `timeout`,
+/// `unreachable`, `http_error`, `breaker_open`, `busy`, `no_time`, `invalid`).
+pub const CLOUD_REQUESTS: &str = "edgeinfer_cloud_requests_total";
+/// Seconds per cloud call attempt, by `model`.
+pub const CLOUD_LATENCY: &str = "edgeinfer_cloud_latency_seconds";
+/// 0 closed, 1 open, 2 half-open.
+pub const CLOUD_BREAKER: &str = "edgeinfer_cloud_breaker_state";
+/// Async escalations waiting in the spool, and their bytes.
+pub const CLOUD_SPOOL_DEPTH: &str = "edgeinfer_cloud_spool_entries";
+pub const CLOUD_SPOOL_BYTES: &str = "edgeinfer_cloud_spool_bytes";
+/// Spooled escalations dropped (oldest first) to stay within the bounds.
+pub const CLOUD_SPOOL_DROPPED: &str = "edgeinfer_cloud_spool_dropped_total";
+/// Escalations the cloud answered, by `model` and `agree` (`true` when the
+/// cloud's label is the edge's): the agreement rate.
+pub const CLOUD_AGREEMENT: &str = "edgeinfer_cloud_agreement_total";
+/// Answers marked `degraded` (the cloud was wanted but not used), by `model`.
+pub const CLOUD_DEGRADED: &str = "edgeinfer_cloud_degraded_total";
 
 /// The timed stages of the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +139,18 @@ pub fn install() -> Option<PrometheusHandle> {
         CACHE_WRITES_DROPPED,
         "Answers not written to the disk cache because its writer lagged"
     );
+    metrics::describe_counter!(CLOUD_ESCALATIONS, "Escalations to the cloud tier, by model and mode");
+    metrics::describe_counter!(CLOUD_REQUESTS, "Calls to the cloud tier, by model and outcome");
+    metrics::describe_histogram!(CLOUD_LATENCY, metrics::Unit::Seconds, "Time per cloud call attempt");
+    metrics::describe_gauge!(CLOUD_BREAKER, "Cloud circuit breaker: 0 closed, 1 open, 2 half-open");
+    metrics::describe_gauge!(CLOUD_SPOOL_DEPTH, "Async escalations waiting for the cloud");
+    metrics::describe_gauge!(CLOUD_SPOOL_BYTES, metrics::Unit::Bytes, "Bytes of the waiting escalations");
+    metrics::describe_counter!(CLOUD_SPOOL_DROPPED, "Spooled escalations dropped to stay within bounds");
+    metrics::describe_counter!(
+        CLOUD_AGREEMENT,
+        "Escalations answered by the cloud, by edge/cloud label agreement"
+    );
+    metrics::describe_counter!(CLOUD_DEGRADED, "Answers from the edge although the cloud was wanted");
     metrics::gauge!(
         BUILD_INFO,
         "version" => env!("CARGO_PKG_VERSION"),

@@ -25,6 +25,10 @@ pub struct Status {
     /// Requests answered since start, by model name.
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
+    /// The cloud tier's circuit breaker (`closed`, `open`, `half_open`);
+    /// absent while the cloud tier is off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cloud: Option<&'static str>,
     /// Why the last reload (SIGHUP) was refused or partly refused; the node
     /// serves what it had.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -37,6 +41,7 @@ pub struct Live {
     pub registry: std::sync::Arc<Registry>,
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
+    pub cloud: Option<&'static str>,
     pub reload_error: Option<String>,
 }
 
@@ -71,6 +76,7 @@ impl Status {
             uptime_s: 0,
             requests: Default::default(),
             cache: Default::default(),
+            cloud: None,
             reload_error: None,
             models: models(registry),
         }
@@ -92,6 +98,7 @@ impl Status {
         s.models = models(&live.registry);
         s.requests = live.requests;
         s.cache = live.cache;
+        s.cloud = live.cloud;
         s.reload_error = live.reload_error;
         serde_json::to_vec(&s).expect("status serializes")
     }

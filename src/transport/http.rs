@@ -191,11 +191,11 @@ async fn handle(
     let limit = state.engine.max_payload_bytes();
     let handled = match axum::body::to_bytes(body, limit).await {
         Ok(bytes) => {
-            let target = Target { model, version, deadline: None, transport: "http" };
+            let target = Target { version, transport: "http", ..Target::model(model) };
             state.engine.handle(target, &bytes, encoding).await
         }
         Err(_) => state.engine.reject(
-            Target { model, version, deadline: None, transport: "http" },
+            Target { version, transport: "http", ..Target::model(model) },
             b"",
             encoding,
             InferError::too_large(format!(

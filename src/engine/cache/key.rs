@@ -1,5 +1,6 @@
 //! The cache key: sha256 over everything that decides an answer, and nothing
-//! that does not (never `id`, `reply_to`, `deadline_ms`, `tier` or `cache`).
+//! that does not (never `id`, `reply_to`, `deadline_ms` or `cache`; `tier`
+//! only where the model escalates to the cloud, see `for_tier`).
 
 use crate::model::LoadedModel;
 use crate::protocol::{InferRequest, TensorData};
@@ -20,7 +21,8 @@ impl Key {
             h.update((s.len() as u64).to_le_bytes());
             h.update(s.as_bytes());
         };
-        text(&mut h, "edgeinfer-cache-v1");
+        // v2: replies gained `degraded` and `final`, so v1 records are not read.
+        text(&mut h, "edgeinfer-cache-v2");
         text(&mut h, model.name());
         text(&mut h, model.version());
         // Parameters that change the reply.
@@ -47,6 +49,16 @@ impl Key {
         }
         h.update((input.len() as u64).to_le_bytes());
         hash_elements(&mut h, input);
+        Key(h.finalize().into())
+    }
+
+    /// The key for a model that escalates: each tier caches its own
+    /// answers (a `fast` edge answer must not stand in for a `quality` one).
+    pub fn for_tier(self, tier: crate::protocol::Tier) -> Key {
+        let mut h = Sha256::new();
+        h.update(b"tier");
+        h.update(self.0);
+        h.update([tier as u8]);
         Key(h.finalize().into())
     }
 

@@ -10,6 +10,7 @@ mod topics;
 pub use options::{BrokerAddress, OptionsError, client_options};
 pub use topics::{Topics, valid_reply_topic};
 
+use crate::cloud::{FollowUp, ReplyRoute};
 use crate::engine::{Engine, Target};
 use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, InferError};
@@ -37,6 +38,8 @@ pub struct MqttService {
     heartbeat: Heartbeat,
     /// Asks for the retained status to be published again (after a reload).
     refresh: Arc<tokio::sync::Notify>,
+    /// Replies after the first (async enrichment), from the cloud spool.
+    follow_ups: Option<tokio::sync::mpsc::UnboundedReceiver<FollowUp>>,
 }
 
 impl MqttService {
@@ -74,9 +77,16 @@ impl MqttService {
                 drain_timeout: Duration::from_secs(config.node.drain_timeout_s),
                 heartbeat: Heartbeat::default(),
                 refresh: Default::default(),
+                follow_ups: None,
             },
             ready_rx,
         ))
+    }
+
+    /// Publishes what arrives here to its reply route.
+    pub fn with_follow_ups(mut self, rx: tokio::sync::mpsc::UnboundedReceiver<FollowUp>) -> MqttService {
+        self.follow_ups = Some(rx);
+        self
     }
 
     /// Notify it to have the retained status published again.
@@ -95,7 +105,8 @@ impl MqttService {
     /// disconnects. Requests it did not finish stay unacknowledged in the
     /// persistent session, so the broker redelivers them. Connection errors
     /// never end it: it reconnects with exponential backoff and jitter.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        let mut follow_ups = self.follow_ups.take();
         let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 4096);
         let permits = Arc::new(Semaphore::new(self.max_in_flight));
         let mut acks = AckQueue::start(client.clone());
@@ -113,6 +124,17 @@ impl MqttService {
             let event = tokio::select! {
                 _ = &mut shutdown => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+                Some(follow_up) = next_follow_up(&mut follow_ups) => {
+                    let props = PublishProperties {
+                        correlation_data: follow_up.route.correlation.map(Into::into),
+                        content_type: follow_up.route.content_type,
+                        ..Default::default()
+                    };
+                    let _ = client
+                        .publish_with_properties(follow_up.route.topic, QoS::AtLeastOnce, false, follow_up.payload, props)
+                        .await;
+                    continue;
+                }
                 _ = self.refresh.notified() => {
                     if *self.ready_tx.borrow() {
                         let status = self.status.snapshot(State::Online, self.engine.live());
@@ -275,6 +297,14 @@ impl MqttService {
     }
 }
 
+/// The next follow-up, or never when there is no spool.
+async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<FollowUp>>) -> Option<FollowUp> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 fn save_unacked(eventloop: &EventLoop, saved: &mut Vec<Publish>) {
     for request in &eventloop.pending {
         if let Request::Publish(p) = request
@@ -320,7 +350,13 @@ impl RequestTask {
             ),
             (true, Some(model)) => {
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
-                let target = Target { model, version: None, deadline, transport: "mqtt" };
+                let route = ReplyRoute {
+                    topic: destination.clone(),
+                    correlation: props.correlation_data.as_ref().map(|c| c.to_vec()),
+                    content_type: props.content_type.clone(),
+                };
+                let target =
+                    Target { model, version: None, deadline, transport: "mqtt", follow_up: Some(&route) };
                 self.engine.handle(target, &publish.payload, encoding).await
             }
             (true, None) => self.engine.reject(

@@ -2,6 +2,7 @@
 //! where installed.
 
 mod cache;
+mod cascade;
 mod embedded;
 mod lifecycle;
 mod mosquitto;

@@ -1,0 +1,240 @@
+//! Async escalations waiting for the cloud, in sled under `state_dir/spool`,
+//! so an outage or a restart loses none. One task owns the store: requests
+//! hand it entries over a channel; it sends them to the cloud oldest first
+//! and hands each finished reply to the transport as a `FollowUp`.
+
+use super::{Cloud, CloudError};
+use crate::protocol::InferResponse;
+use crate::telemetry;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Where a later reply goes: the request's reply topic, correlation data
+/// and content type.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplyRoute {
+    pub topic: String,
+    pub correlation: Option<Vec<u8>>,
+    pub content_type: Option<String>,
+}
+
+/// A reply sent after the request's first one.
+#[derive(Debug, Clone)]
+pub struct FollowUp {
+    pub route: ReplyRoute,
+    pub payload: Vec<u8>,
+}
+
+/// One escalation waiting for the cloud.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SpoolEntry {
+    /// The edge model that answered first.
+    pub model: String,
+    pub cloud_model: String,
+    /// The request as JSON (OIP), as the cloud will get it.
+    pub request: Vec<u8>,
+    /// The edge answer as JSON: the final reply if the cloud never answers.
+    pub edge: Vec<u8>,
+    pub route: ReplyRoute,
+    pub queued_at_ms: u64,
+}
+
+/// Turns an entry and the cloud's answer (`None`: the cloud will not
+/// answer it) into the reply that ends the request.
+pub type Finish = Arc<dyn Fn(&SpoolEntry, Option<InferResponse>) -> Option<FollowUp> + Send + Sync>;
+
+/// An entry, and who waits to hear it is on disk.
+type Arrival = (SpoolEntry, tokio::sync::oneshot::Sender<bool>);
+
+/// The requests' side: hands entries to the spool task.
+#[derive(Clone)]
+pub struct Spool {
+    tx: mpsc::Sender<Arrival>,
+}
+
+impl Spool {
+    /// Queues an entry and waits until it is on disk, so a provisional reply
+    /// is only sent for an escalation that survives a restart. False when
+    /// the task is too far behind or could not store it.
+    pub async fn push(&self, entry: SpoolEntry) -> bool {
+        let (done, stored) = tokio::sync::oneshot::channel();
+        if self.tx.try_send((entry, done)).is_err() {
+            return false;
+        }
+        stored.await.unwrap_or(false)
+    }
+}
+
+pub struct SpoolTask {
+    db: sled::Db,
+    rx: mpsc::Receiver<Arrival>,
+    max_entries: usize,
+    max_bytes: u64,
+    entries: usize,
+    bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the cloud spool {path}: {message}")]
+pub struct SpoolError {
+    path: String,
+    message: String,
+}
+
+/// Opens (or creates) the store; what it holds from before a restart is
+/// sent first.
+pub fn open(dir: &Path, max_entries: usize, max_bytes: u64) -> Result<(Spool, SpoolTask), SpoolError> {
+    let err = |e: sled::Error| SpoolError { path: dir.display().to_string(), message: e.to_string() };
+    let db = sled::Config::new().path(dir).cache_capacity(1024 * 1024).open().map_err(err)?;
+    let (mut entries, mut bytes) = (0usize, 0u64);
+    for item in db.iter() {
+        let (_, v) = item.map_err(err)?;
+        entries += 1;
+        bytes += v.len() as u64;
+    }
+    if entries > 0 {
+        tracing::info!("cloud spool: {entries} escalations from before the restart wait for the cloud");
+    }
+    let (tx, rx) = mpsc::channel(1024);
+    let task = SpoolTask { db, rx, max_entries: max_entries.max(1), max_bytes, entries, bytes };
+    task.gauges();
+    Ok((Spool { tx }, task))
+}
+
+impl SpoolTask {
+    /// Runs until every `Spool` handle is gone (the entries left stay on
+    /// disk for the next start).
+    pub async fn run(mut self, cloud: Arc<Cloud>, finish: Finish, out: mpsc::UnboundedSender<FollowUp>) {
+        let send = |f: Option<FollowUp>| {
+            if let Some(f) = f {
+                let _ = out.send(f);
+            }
+        };
+        let mut resume_at: Option<tokio::time::Instant> = None;
+        loop {
+            let mut arrived = Vec::new();
+            while let Ok(arrival) = self.rx.try_recv() {
+                arrived.push(arrival);
+            }
+            self.store_all(arrived, &finish, &send).await;
+            let oldest = self.db.first().ok().flatten();
+            let wake = match (&oldest, resume_at) {
+                (None, _) => Some(None),
+                (Some(_), Some(at)) if tokio::time::Instant::now() < at => Some(Some(at)),
+                _ => None,
+            };
+            if let Some(until) = wake {
+                let arrived = match until {
+                    None => self.rx.recv().await,
+                    Some(at) => match tokio::time::timeout_at(at, self.rx.recv()).await {
+                        Ok(arrived) => arrived,
+                        Err(_) => continue,
+                    },
+                };
+                match arrived {
+                    Some(arrival) => {
+                        self.store_all(vec![arrival], &finish, &send).await;
+                        continue;
+                    }
+                    None => return,
+                }
+            }
+            resume_at = None;
+            let Some((key, value)) = oldest else { continue };
+            let Ok(entry) = postcard::from_bytes::<SpoolEntry>(&value) else {
+                tracing::warn!("cloud spool: an unreadable entry was dropped");
+                self.remove(&key, value.len());
+                continue;
+            };
+            let retry_in = cloud.retry_in();
+            if !retry_in.is_zero() {
+                resume_at = Some(tokio::time::Instant::now() + retry_in);
+                continue;
+            }
+            let Ok(request) = serde_json::from_slice(&entry.request) else {
+                send(finish(&entry, None));
+                self.remove(&key, value.len());
+                continue;
+            };
+            match cloud.infer(&entry.model, &entry.cloud_model, &request, None).await {
+                Ok(response) => send(finish(&entry, Some(response))),
+                Err(e @ (CloudError::Status { .. } | CloudError::Invalid(_))) if !transient(&e) => {
+                    tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", entry.model);
+                    send(finish(&entry, None));
+                }
+                Err(_) => {
+                    // Kept: the uplink or the cloud is down; the breaker
+                    // (or this pause) spaces the retries.
+                    resume_at = Some(tokio::time::Instant::now() + Duration::from_millis(200));
+                    continue;
+                }
+            }
+            self.remove(&key, value.len());
+            let _ = self.db.flush_async().await;
+        }
+    }
+
+    /// Stores what arrived, flushes, then tells each sender.
+    async fn store_all(&mut self, arrived: Vec<Arrival>, finish: &Finish, send: &impl Fn(Option<FollowUp>)) {
+        if arrived.is_empty() {
+            return;
+        }
+        let outcomes: Vec<_> =
+            arrived.into_iter().map(|(e, done)| (self.store(e, finish, send), done)).collect();
+        let flushed = self.db.flush_async().await.is_ok();
+        for (stored, done) in outcomes {
+            let _ = done.send(stored && flushed);
+        }
+    }
+
+    /// Keeps the entry, dropping the oldest to stay within the bounds; a
+    /// dropped one's device gets the edge answer as the final reply.
+    fn store(&mut self, entry: SpoolEntry, finish: &Finish, send: &impl Fn(Option<FollowUp>)) -> bool {
+        let value = postcard::to_stdvec(&entry).expect("postcard encoding into a Vec cannot fail");
+        let len = value.len() as u64;
+        while self.entries > 0 && (self.entries >= self.max_entries || self.bytes + len > self.max_bytes) {
+            let Ok(Some((_, old))) = self.db.pop_min() else { break };
+            self.entries -= 1;
+            self.bytes = self.bytes.saturating_sub(old.len() as u64);
+            metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED).increment(1);
+            if let Ok(old) = postcard::from_bytes::<SpoolEntry>(&old) {
+                send(finish(&old, None));
+            }
+        }
+        let id = self.db.generate_id().unwrap_or(0);
+        let stored = match self.db.insert(id.to_be_bytes(), value) {
+            Ok(_) => {
+                self.entries += 1;
+                self.bytes += len;
+                true
+            }
+            Err(e) => {
+                tracing::warn!("cloud spool: cannot store an escalation ({e}); it is answered synchronously");
+                false
+            }
+        };
+        self.gauges();
+        stored
+    }
+
+    fn remove(&mut self, key: &[u8], len: usize) {
+        if let Ok(Some(_)) = self.db.remove(key) {
+            self.entries = self.entries.saturating_sub(1);
+            self.bytes = self.bytes.saturating_sub(len as u64);
+        }
+        self.gauges();
+    }
+
+    fn gauges(&self) {
+        metrics::gauge!(telemetry::CLOUD_SPOOL_DEPTH).set(self.entries as f64);
+        metrics::gauge!(telemetry::CLOUD_SPOOL_BYTES).set(self.bytes as f64);
+    }
+}
+
+/// A server error that may pass (5xx, 429) keeps the entry.
+fn transient(e: &CloudError) -> bool {
+    matches!(e, CloudError::Status { status, .. } if *status >= 500 || *status == 429)
+}
