@@ -23,11 +23,13 @@ pub struct Identity<'a> {
 }
 
 /// Trusts `ca_file` (named by config key `ca_key`) or, without one, the
-/// system's roots.
+/// system's roots; `require_roots`: finding none is an error (a client that
+/// will only speak plain TCP passes false).
 pub fn client_config(
     ca_key: &'static str,
     ca_file: Option<&Path>,
     identity: Option<Identity<'_>>,
+    require_roots: bool,
 ) -> Result<rustls::ClientConfig, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
@@ -46,7 +48,7 @@ pub fn client_config(
             }
         }
     }
-    if roots.is_empty() {
+    if roots.is_empty() && require_roots {
         return Err(TlsError::Setup(format!(
             "no CA certificates: set {ca_key} to the PEM bundle that signed the server's certificate"
         )));

@@ -121,7 +121,8 @@ pub struct Cloud {
 
 impl Cloud {
     pub fn new(options: CloudOptions) -> Result<Cloud, CloudError> {
-        let tls = crate::tls::client_config("cloud.ca_file", options.ca_file.as_deref(), None)
+        let https = options.url.starts_with("https://");
+        let tls = crate::tls::client_config("cloud.ca_file", options.ca_file.as_deref(), None, https)
             .map_err(|e| CloudError::Setup(e.to_string()))?;
         let http = client::Http::new(&options.url, options.token.clone(), tls, options.connect_timeout);
         metrics::gauge!(telemetry::CLOUD_BREAKER).set(BreakerState::Closed.gauge());

@@ -110,7 +110,7 @@ fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, TlsError> {
         }
         _ => None,
     };
-    client_config("mqtt.ca_file", config.ca_file.as_deref(), identity)
+    client_config("mqtt.ca_file", config.ca_file.as_deref(), identity, true)
 }
 
 #[cfg(test)]

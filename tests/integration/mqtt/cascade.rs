@@ -487,3 +487,87 @@ fn seldon_mlserver_serving_scikit_learn_is_a_cloud_tier_too() {
     }
     assert!(right >= 18, "MLServer's labels, through the edge node: {right}/20 right");
 }
+
+/// A TLS front (test CA) for a plain HTTP port: what an https cloud looks like.
+async fn tls_front(backend: u16, cert_pem: String, key_pem: String) -> u16 {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = vec![CertificateDer::from_pem_slice(cert_pem.as_bytes()).unwrap()];
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(("127.0.0.1", backend)).await else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_cloud_is_reached_with_the_configured_ca_and_refused_with_another() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(vec![]).unwrap();
+    ca_params.distinguished_name.push(DnType::CommonName, "edgeinfer test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["127.0.0.1".into()]).unwrap();
+    params.distinguished_name.push(DnType::CommonName, "cloud");
+    let cert = params.signed_by(&key, &ca).unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let ca_file = files.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let ca_file = ca_file.display().to_string();
+    // Another CA, which did not sign the cloud's certificate.
+    let mut other = CertificateParams::new(vec![]).unwrap();
+    other.distinguished_name.push(DnType::CommonName, "some other CA");
+    other.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let other = CertifiedIssuer::self_signed(other, KeyPair::generate().unwrap()).unwrap();
+    let other_file = files.path().join("other.pem");
+    std::fs::write(&other_file, other.pem()).unwrap();
+    let other_file = other_file.display().to_string();
+
+    let (_cloud, cloud_port) = tokio::task::block_in_place(|| cloud_node(None));
+    let tls_port = tls_front(cloud_port, cert.pem(), key.serialize_pem()).await;
+    let url = format!("https://127.0.0.1:{tls_port}");
+    let env = |ca: &str| {
+        vec![
+            ("EDGEINFER_CLOUD__ENABLED".to_string(), "true".to_string()),
+            ("EDGEINFER_CLOUD__URL".into(), url.clone()),
+            ("EDGEINFER_MODELS__DIGITS__CLOUD_MODEL".into(), "digits-large".into()),
+            ("EDGEINFER_MODELS__DIGITS__THRESHOLD".into(), "1.0".into()),
+            ("EDGEINFER_CLOUD__CA_FILE".into(), ca.into()),
+        ]
+    };
+    for (ca, expect_cloud) in [(ca_file.as_str(), true), (other_file.as_str(), false)] {
+        let env = env(ca);
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let (_edge, _, port) = tokio::task::block_in_place(|| embedded_node_with_http("gw-x9", &env));
+        let reply = tokio::task::block_in_place(|| {
+            infer(port, &request("tls", 3, json!({"cache": false, "deadline_ms": 2000})))
+        });
+        if expect_cloud {
+            assert_eq!(served_by(&reply), "cloud", "over https with cloud.ca_file: {reply}");
+        } else {
+            assert_eq!(served_by(&reply), "edge", "a certificate from another CA: {reply}");
+            assert!(degraded(&reply));
+        }
+    }
+}
