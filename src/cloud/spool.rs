@@ -238,3 +238,57 @@ impl SpoolTask {
 fn transient(e: &CloudError) -> bool {
     matches!(e, CloudError::Status { status, .. } if *status >= 500 || *status == 429)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    fn entry(n: usize) -> SpoolEntry {
+        SpoolEntry {
+            model: "digits".into(),
+            cloud_model: "digits-large".into(),
+            request: format!("{{\"id\":\"r{n}\",\"inputs\":[]}}").into_bytes(),
+            edge: vec![b'x'; 100],
+            route: ReplyRoute { topic: format!("dev/{n}"), correlation: Some(vec![n as u8]), content_type: None },
+            queued_at_ms: n as u64,
+        }
+    }
+
+    #[test]
+    fn the_oldest_make_room_and_end_with_the_edge_answer_and_the_rest_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let seen = ended.clone();
+        let finish: Finish = Arc::new(move |e: &SpoolEntry, cloud: Option<InferResponse>| {
+            assert!(cloud.is_none(), "a dropped entry never had the cloud's answer");
+            seen.lock().unwrap().push(e.route.topic.clone());
+            None
+        });
+        let send = |_: Option<FollowUp>| {};
+        {
+            let (_spool, mut task) = open(dir.path(), 3, u64::MAX).unwrap();
+            for n in 0..5 {
+                assert!(task.store(entry(n), &finish, &send));
+            }
+            assert_eq!(task.entries, 3);
+            task.db.flush().unwrap();
+        }
+        assert_eq!(*ended.lock().unwrap(), vec!["dev/0", "dev/1"], "oldest first");
+        let (_spool, task) = open(dir.path(), 3, u64::MAX).unwrap();
+        assert_eq!(task.entries, 3, "counted again at open");
+        let kept: Vec<String> = task
+            .db
+            .iter()
+            .map(|kv| postcard::from_bytes::<SpoolEntry>(&kv.unwrap().1).unwrap().route.topic)
+            .collect();
+        assert_eq!(kept, vec!["dev/2", "dev/3", "dev/4"], "in arrival order");
+        let one = postcard::to_stdvec(&entry(0)).unwrap().len() as u64;
+        drop(task);
+        drop(_spool);
+        let (_spool, mut task) = open(dir.path(), 100, 2 * one).unwrap();
+        assert!(task.store(entry(9), &finish, &send));
+        assert_eq!(task.entries, 2, "the byte bound holds too");
+        assert!(task.bytes <= 2 * one);
+    }
+}
