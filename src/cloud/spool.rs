@@ -250,7 +250,11 @@ mod tests {
             cloud_model: "digits-large".into(),
             request: format!("{{\"id\":\"r{n}\",\"inputs\":[]}}").into_bytes(),
             edge: vec![b'x'; 100],
-            route: ReplyRoute { topic: format!("dev/{n}"), correlation: Some(vec![n as u8]), content_type: None },
+            route: ReplyRoute {
+                topic: format!("dev/{n}"),
+                correlation: Some(vec![n as u8]),
+                content_type: None,
+            },
             queued_at_ms: n as u64,
         }
     }

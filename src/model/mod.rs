@@ -5,6 +5,7 @@ mod error;
 mod golden;
 mod kernels;
 mod manifest;
+pub mod passes;
 mod registry;
 mod runtime;
 

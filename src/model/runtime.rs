@@ -52,6 +52,8 @@ pub struct LoadedModel {
     buckets: Vec<Bucket>,
     deferred: Mutex<Option<Deferred>>,
     pub kernels: KernelReport,
+    /// The load-time graph passes that changed this model.
+    pub passes: Vec<super::passes::Applied>,
     /// Reading, hashing, parsing, planning and the golden check.
     pub load_time: Duration,
 }
@@ -112,7 +114,7 @@ impl LoadedModel {
             });
         }
         let read = start.elapsed();
-        let (typed, batch) = parse_onnx(&manifest, &bytes).map_err(tract_err)?;
+        let (typed, batch, passes) = parse_onnx(&manifest, &bytes).map_err(tract_err)?;
         let parsed = start.elapsed();
         let sizes: Vec<usize> = match manifest.input.shape[0] {
             -1 => options.batch_sizes.clone(),
@@ -131,6 +133,7 @@ impl LoadedModel {
             dir: dir.to_owned(),
             buckets: sizes.iter().map(|&size| Bucket { size, plan: OnceLock::new() }).collect(),
             deferred: Mutex::new(None),
+            passes,
             load_time: Duration::ZERO,
         };
         for (size, plan) in plans {
@@ -387,7 +390,10 @@ fn plan_all(
     })
 }
 
-fn parse_onnx(manifest: &Manifest, bytes: &[u8]) -> TractResult<(TypedModel, Symbol)> {
+fn parse_onnx(
+    manifest: &Manifest,
+    bytes: &[u8],
+) -> TractResult<(TypedModel, Symbol, Vec<super::passes::Applied>)> {
     let mut model = tract_onnx::onnx()
         .with_ignore_output_shapes(true)
         .with_ignore_value_info(true)
@@ -413,8 +419,9 @@ fn parse_onnx(manifest: &Manifest, bytes: &[u8]) -> TractResult<(TypedModel, Sym
         .map(|&d| if d == -1 { batch.to_dim() } else { (d as usize).to_dim() })
         .collect();
     model.set_input_fact(0, InferenceFact::dt_shape(datum_type(manifest.input.datatype), dims))?;
-    let typed = model.into_typed()?.into_decluttered()?;
-    Ok((typed, batch))
+    let mut typed = model.into_typed()?;
+    let applied = super::passes::before_declutter(&mut typed)?;
+    Ok((typed.into_decluttered()?, batch, applied))
 }
 
 fn datum_type(datatype: Datatype) -> DatumType {

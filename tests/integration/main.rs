@@ -2,6 +2,7 @@
 
 mod cli;
 mod errors;
+mod mlperf;
 mod models;
 mod mqtt;
 
