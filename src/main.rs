@@ -189,6 +189,25 @@ struct BenchArgs {
 
 #[derive(Subcommand)]
 enum ModelsCommand {
+    /// Time each node of a model's optimized plan (tract's evaluation hook)
+    /// and list the slowest: where a model's time goes, and whether its
+    /// heavy nodes run integer or float kernels.
+    Profile {
+        /// The model's name.
+        model: String,
+        /// A version other than the active one.
+        #[arg(long)]
+        version: Option<String>,
+        /// Rows per run; must be one of runtime.batch_sizes.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Timed runs (after one warm-up).
+        #[arg(long, default_value_t = 200)]
+        iterations: usize,
+        /// Nodes listed.
+        #[arg(long, default_value_t = 15)]
+        top: usize,
+    },
     /// List every model version found, loaded or refused (with the reason).
     List,
     /// Load every model version as `serve` would: check its sha256, run its
@@ -307,6 +326,25 @@ fn run(cli: Cli) -> Result<i32> {
             }
             Ok(0)
         }
+        Command::Models { command: ModelsCommand::Profile { model, version, batch, iterations, top } } => {
+            let registry = load_models(&config, false)?;
+            let m = registry.get(&model, version.as_deref())?;
+            let nodes = m.profile(batch, iterations)?;
+            let total: f64 = nodes.iter().map(|n| n.per_run.as_secs_f64()).sum();
+            println!(
+                "{} {}: batch {batch}, {:.1} us per run over {} nodes ({} kernels); slowest first:",
+                m.name(),
+                m.version(),
+                total * 1e6,
+                nodes.len(),
+                m.kernels.kind()
+            );
+            for n in nodes.iter().take(top) {
+                let us = n.per_run.as_secs_f64() * 1e6;
+                println!("  {us:>9.1} us {:>5.1}%  {:<24} {}", 100.0 * us / (total * 1e6), n.op, n.node);
+            }
+            Ok(0)
+        }
         Command::Models { command: ModelsCommand::Verify { iterations } } => {
             let registry = load_models(&config, false)?;
             for m in registry.all() {
@@ -328,6 +366,9 @@ fn run(cli: Cli) -> Result<i32> {
                 );
                 if m.manifest.quantization.as_str() == "int8" && !kernels.runs_integer() {
                     println!("  warning: labelled int8 but the optimized plan runs float kernels");
+                }
+                for p in &m.passes {
+                    println!("  load-time pass: {} ({} nodes)", p.pass, p.nodes);
                 }
                 let mut timings = Vec::new();
                 for &batch in [1, m.max_batch()].iter().collect::<std::collections::BTreeSet<_>>() {

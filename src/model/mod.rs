@@ -6,6 +6,7 @@ mod golden;
 mod kernels;
 mod manifest;
 pub mod passes;
+mod profile;
 mod registry;
 mod runtime;
 
@@ -14,4 +15,5 @@ pub use golden::{Golden, GoldenVector};
 pub use kernels::KernelReport;
 pub use manifest::{Manifest, Preprocess, Quantization, Task, TensorSpec};
 pub use registry::{Refused, Registry, valid_model_name};
+pub use profile::NodeTime;
 pub use runtime::{LoadedModel, RawOutput, RunError, RuntimeOptions};

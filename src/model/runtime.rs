@@ -145,6 +145,16 @@ impl LoadedModel {
                 Some(Deferred { typed, batch, golden });
         }
         model.load_time = start.elapsed();
+        if model.manifest.quantization == super::Quantization::Int8 && !model.kernels.runs_integer() {
+            tracing::warn!(
+                "{} {}: labelled int8, but its optimized plan runs float kernels ({}): tract folds QDQ \
+                 graphs back to f32, so expect f32 speed or slower (edgeinfer models profile {})",
+                model.name(),
+                model.version(),
+                model.kernels.float.join(" "),
+                model.name()
+            );
+        }
         tracing::debug!(
             "{} {}: read and hashed in {read:.1?}, parsed in {:.1?}, planned {now:?} in {:.1?}, golden check in {:.1?}",
             model.name(),
@@ -189,6 +199,11 @@ impl LoadedModel {
         }
         tracing::debug!("{} {}: planned {rest:?} in {:.1?}", self.name(), self.version(), started.elapsed());
         Ok(())
+    }
+
+    /// The plan of exactly `batch` rows, if one is in service.
+    pub(super) fn plan_for(&self, batch: usize) -> Option<&Arc<TypedSimplePlan>> {
+        self.buckets.iter().find(|b| b.size == batch)?.plan.get()
     }
 
     /// Batch sizes with a plan in service now.
@@ -269,11 +284,11 @@ impl LoadedModel {
         plan.run(tvec!(tensor.into())).map_err(|e| self.run_error(format!("{e:#}")))
     }
 
-    fn run_error(&self, message: String) -> RunError {
+    pub(super) fn run_error(&self, message: String) -> RunError {
         RunError { model: self.manifest.name.clone(), version: self.manifest.version.clone(), message }
     }
 
-    fn input_tensor(
+    pub(super) fn input_tensor(
         &self,
         input: &TensorData,
         first_row: usize,

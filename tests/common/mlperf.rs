@@ -1,3 +1,4 @@
+#![allow(dead_code)] // each user (tests, the benchmark) reads a part of it
 //! The MLPerf Tiny reference models in `../shared/mlperf-tiny` (test data,
 //! never copied here) loaded through edgeinfer's runtime, with their 64
 //! inputs and reference outputs. Shared by the tests and the benchmark.
