@@ -42,7 +42,8 @@ fn subjects() -> Vec<Subject> {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(name).join("1");
         let model = LoadedModel::load(&dir, &options).unwrap();
         let raw: Vec<f64> = (0..8 * 64).map(|i| ((i * 7) % 17) as f64).collect();
-        let input = model.manifest.preprocess.apply(TensorData::Number(raw), model.manifest.input.datatype).unwrap();
+        let input =
+            model.manifest.preprocess.apply(TensorData::Number(raw), model.manifest.input.datatype).unwrap();
         out.push(Subject { name: name.into(), model, input });
     }
     match tiny::dir() {

@@ -14,6 +14,6 @@ pub use error::LoadError;
 pub use golden::{Golden, GoldenVector};
 pub use kernels::KernelReport;
 pub use manifest::{Manifest, Preprocess, Quantization, Task, TensorSpec};
-pub use registry::{Refused, Registry, valid_model_name};
 pub use profile::NodeTime;
+pub use registry::{Refused, Registry, valid_model_name};
 pub use runtime::{LoadedModel, RawOutput, RunError, RuntimeOptions};

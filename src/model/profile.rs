@@ -2,7 +2,6 @@
 //! many runs, through tract's own evaluation hook (`run_plan_with_eval`).
 
 use super::{LoadedModel, RunError};
-use crate::protocol::TensorData;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tract_onnx::prelude::*;
@@ -19,14 +18,11 @@ impl LoadedModel {
     /// Per-node mean time of `iterations` runs at `batch` rows of zeros (the
     /// batch's own plan), slowest first.
     pub fn profile(&self, batch: usize, iterations: usize) -> Result<Vec<NodeTime>, RunError> {
-        let plan = self.plan_for(batch).ok_or_else(|| self.run_error(format!("no plan for batch {batch}")))?;
-        let n = batch * self.manifest.input.row_len();
-        let input = self
-            .manifest
-            .preprocess
-            .apply(TensorData::Number(vec![0.0; n]), self.manifest.input.datatype)
-            .map_err(|m| self.run_error(m))?;
-        let tensor = self.input_tensor(&input, 0, batch, batch).map_err(|e| self.run_error(format!("{e:#}")))?;
+        let plan =
+            self.plan_for(batch).ok_or_else(|| self.run_error(format!("no plan for batch {batch}")))?;
+        let input = self.zeros(batch)?;
+        let tensor =
+            self.input_tensor(&input, 0, batch, batch).map_err(|e| self.run_error(format!("{e:#}")))?;
         let mut totals: HashMap<usize, Duration> = HashMap::new();
         let mut state = plan.spawn().map_err(|e| self.run_error(format!("{e:#}")))?;
         for _ in 0..iterations.max(1) + 1 {
@@ -48,7 +44,7 @@ impl LoadedModel {
                 per_run: total / (iterations.max(1) + 1) as u32,
             })
             .collect();
-        times.sort_by(|a, b| b.per_run.cmp(&a.per_run));
+        times.sort_by_key(|t| std::cmp::Reverse(t.per_run));
         Ok(times)
     }
 }

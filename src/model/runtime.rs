@@ -480,18 +480,24 @@ impl LoadedModel {
     /// Mean wall time per row of `iterations` runs at `batch` rows of zeros,
     /// after one warm-up run: the figure `models verify` prints.
     pub fn time_per_item(&self, batch: usize, iterations: usize) -> Result<Duration, RunError> {
-        let n = batch * self.manifest.input.row_len();
-        let input = self
-            .manifest
-            .preprocess
-            .apply(TensorData::Number(vec![0.0; n]), self.manifest.input.datatype)
-            .map_err(|m| self.run_error(m))?;
+        let input = self.zeros(batch)?;
         self.run(batch, &input)?;
         let start = Instant::now();
         for _ in 0..iterations {
             self.run(batch, &input)?;
         }
         Ok(start.elapsed() / (iterations * batch).max(1) as u32)
+    }
+}
+
+impl LoadedModel {
+    /// `batch` rows of zeros, preprocessed and typed as the model takes them.
+    pub(super) fn zeros(&self, batch: usize) -> Result<TensorData, RunError> {
+        let n = batch * self.manifest.input.row_len();
+        self.manifest
+            .preprocess
+            .apply(TensorData::Number(vec![0.0; n]), self.manifest.input.datatype)
+            .map_err(|m| self.run_error(m))
     }
 }
 

@@ -1,7 +1,9 @@
 //! The response cache on the real binary: layers, restarts, TTL, versions,
 //! byte bounds, crashes, a damaged store and single flight.
 
-use super::support::{Client, Node, embedded_node_with_http, free_port_pair, get_json, http, sample};
+use super::support::{
+    Client, Node, embedded_node_with_http, free_port_pair, get_json, infer_digits, sample, scrape,
+};
 use crate::{digits_request, heldout, models_dir};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -19,22 +21,8 @@ fn request(id: &str, i: usize, variant: usize, parameters: Value) -> Value {
     req
 }
 
-fn infer(port: u16, req: &Value) -> Value {
-    let (status, body) =
-        http(port, "POST", "/v2/models/digits/infer", req.to_string().as_bytes(), "application/json");
-    let reply: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(status, 200, "{reply}");
-    reply
-}
-
 fn cache_of(reply: &Value) -> &str {
     reply["parameters"]["cache"].as_str().unwrap_or_else(|| panic!("no parameters.cache in {reply}"))
-}
-
-fn scrape(port: u16) -> String {
-    let (status, body) = http(port, "GET", "/metrics", b"", "text/plain");
-    assert_eq!(status, 200);
-    String::from_utf8(body).unwrap()
 }
 
 fn state_env(dir: &Path) -> (&'static str, String) {
@@ -52,33 +40,33 @@ fn miss_then_memory_then_disk_after_a_restart_with_identical_outputs() {
     let env = [state_env(state.path())];
     let (mut first, _, port) = start("gw-c1", &env);
     let req = request("a", 3, 0, json!({"top_k": 3}));
-    let miss = infer(port, &req);
+    let miss = infer_digits(port, &req);
     assert_eq!(cache_of(&miss), "miss");
     let mut again = req.clone();
     again["id"] = json!("b");
     again["parameters"]["deadline_ms"] = json!(5000);
-    let hit = infer(port, &again);
+    let hit = infer_digits(port, &again);
     assert_eq!(cache_of(&hit), "memory", "id and deadline are not part of the key");
     assert_eq!(hit["id"], "b", "a hit carries its own request's id");
     assert_eq!(hit["outputs"], miss["outputs"]);
     assert_eq!(hit["parameters"]["top_k"], miss["parameters"]["top_k"]);
     let mut bypass = req.clone();
     bypass["parameters"]["cache"] = json!(false);
-    assert_eq!(cache_of(&infer(port, &bypass)), "miss", "cache = false skips the lookup");
+    assert_eq!(cache_of(&infer_digits(port, &bypass)), "miss", "cache = false skips the lookup");
     let mut other_k = req.clone();
     other_k["parameters"]["top_k"] = json!(2);
-    let k2 = infer(port, &other_k);
+    let k2 = infer_digits(port, &other_k);
     assert_eq!(cache_of(&k2), "miss", "top_k is part of the key");
     assert_eq!(k2["parameters"]["top_k"].as_array().unwrap().len(), 2);
     assert!(first.terminate().success());
 
     let (_second, _, port) = start("gw-c1", &env);
-    let from_disk = infer(port, &req);
+    let from_disk = infer_digits(port, &req);
     assert_eq!(cache_of(&from_disk), "disk", "{from_disk}");
     assert_eq!(from_disk["outputs"], miss["outputs"], "the stored answer, bit for bit");
     assert_eq!(from_disk["parameters"]["label"], miss["parameters"]["label"]);
     assert_eq!(from_disk["model_version"], miss["model_version"]);
-    assert_eq!(cache_of(&infer(port, &req)), "memory", "a disk hit is promoted to memory");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory", "a disk hit is promoted to memory");
     let m = scrape(port);
     assert_eq!(sample(&m, &["edgeinfer_cache_lookups_total{", "result=\"disk\""]), 1.0);
     assert_eq!(sample(&m, &["edgeinfer_cache_lookups_total{", "result=\"memory\""]), 1.0);
@@ -93,15 +81,19 @@ fn miss_then_memory_then_disk_after_a_restart_with_identical_outputs() {
 fn entries_expire_after_their_ttl_and_a_zero_ttl_model_is_never_cached() {
     let (_node, _, port) = start("gw-c2", &[("EDGEINFER_CACHE__TTL_S", "1".into())]);
     let req = request("t", 5, 0, json!({}));
-    assert_eq!(cache_of(&infer(port, &req)), "miss");
-    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "miss");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
     std::thread::sleep(Duration::from_millis(1300));
-    assert_eq!(cache_of(&infer(port, &req)), "miss", "expired entries are ignored");
-    assert_eq!(cache_of(&infer(port, &req)), "memory", "and replaced by the fresh answer");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "miss", "expired entries are ignored");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory", "and replaced by the fresh answer");
 
     let (_node, _, port) = start("gw-c3", &[("EDGEINFER_MODELS__DIGITS__CACHE_TTL_S", "0".into())]);
-    assert_eq!(cache_of(&infer(port, &req)), "miss");
-    assert_eq!(cache_of(&infer(port, &req)), "miss", "models.digits.cache_ttl_s = 0 turns caching off");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "miss");
+    assert_eq!(
+        cache_of(&infer_digits(port, &req)),
+        "miss",
+        "models.digits.cache_ttl_s = 0 turns caching off"
+    );
 }
 
 fn copy_version(to: &Path, version: &str) {
@@ -127,18 +119,18 @@ fn a_new_model_version_never_serves_the_old_answer() {
     let env = [state_env(state.path()), ("EDGEINFER_NODE__MODELS_DIR", models.path().display().to_string())];
     let req = request("v", 7, 0, json!({}));
     let (mut node_v1, _, port) = start("gw-c4", &env);
-    let v1 = infer(port, &req);
+    let v1 = infer_digits(port, &req);
     assert_eq!((v1["model_version"].as_str(), cache_of(&v1)), (Some("1"), "miss"));
-    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
     assert!(node_v1.terminate().success());
 
     copy_version(models.path(), "2");
     let (_node_v2, _, port) = start("gw-c4", &env);
-    let v2 = infer(port, &req);
+    let v2 = infer_digits(port, &req);
     assert_eq!((v2["model_version"].as_str(), cache_of(&v2)), (Some("2"), "miss"), "{v2}");
     let mut pinned = req.clone();
     pinned["parameters"]["model_version"] = json!("1");
-    let old = infer(port, &pinned);
+    let old = infer_digits(port, &pinned);
     assert_eq!((old["model_version"].as_str(), cache_of(&old)), (Some("1"), "disk"), "{old}");
 }
 
@@ -149,7 +141,7 @@ fn byte_bounds_hold_under_a_flood_of_distinct_inputs() {
         [("EDGEINFER_CACHE__MEMORY_BYTES", "65536".into()), ("EDGEINFER_CACHE__DISK_BYTES", "65536".into())];
     let (_node, _, port) = start("gw-c5", &env);
     for i in 0..1200 {
-        let reply = infer(port, &request(&i.to_string(), i, i / 7, json!({})));
+        let reply = infer_digits(port, &request(&i.to_string(), i, i / 7, json!({})));
         assert_eq!(cache_of(&reply), "miss");
     }
     let (_, stats) = get_json(port, "/cache/stats");
@@ -198,10 +190,10 @@ async fn kill_9_during_a_write_storm_reopens_cleanly_and_every_answer_is_right()
         let mut from_disk = 0;
         for i in 0..n {
             let req = request(&i.to_string(), i, i / 3, json!({}));
-            let cached = infer(port, &req);
+            let cached = infer_digits(port, &req);
             let mut fresh_req = req.clone();
             fresh_req["parameters"]["cache"] = json!(false);
-            let fresh = infer(port, &fresh_req);
+            let fresh = infer_digits(port, &fresh_req);
             assert_eq!(
                 cached["outputs"], fresh["outputs"],
                 "request {i}: a cached answer differs from the model's"
@@ -226,8 +218,8 @@ fn a_damaged_store_is_moved_aside_and_the_node_serves() {
     let env = [state_env(state.path())];
     let (node, mqtt, port) = start("gw-c7", &env);
     let req = request("q", 1, 0, json!({}));
-    assert_eq!(cache_of(&infer(port, &req)), "miss");
-    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "miss");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
     let aside: Vec<_> = std::fs::read_dir(state.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -282,7 +274,7 @@ fn cache_stats_and_purge_work_against_a_live_node_and_a_stopped_one() {
     let env = [state_env(state.path())];
     let (mut node, _, port) = start("gw-c9", &env);
     for i in 0..5 {
-        infer(port, &request(&i.to_string(), i, 0, json!({})));
+        infer_digits(port, &request(&i.to_string(), i, 0, json!({})));
     }
     let cli = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
@@ -311,7 +303,11 @@ fn cache_stats_and_purge_work_against_a_live_node_and_a_stopped_one() {
     assert!(cli(&["stats"]).contains("running node"));
     let purged = cli(&["purge", "--model", "digits"]);
     assert!(purged.contains("5 disk entries removed"), "{purged}");
-    assert_eq!(cache_of(&infer(port, &request("0", 0, 0, json!({})))), "miss", "purged from memory too");
+    assert_eq!(
+        cache_of(&infer_digits(port, &request("0", 0, 0, json!({})))),
+        "miss",
+        "purged from memory too"
+    );
     assert!(node.terminate().success());
 
     // With the node stopped the command opens the store itself.
@@ -363,7 +359,7 @@ fn a_full_disk_turns_the_disk_layer_off_and_serving_continues() {
     let (mut node, _, port) = start("gw-c10", &[state_env(disk.0.path())]);
     let mut disabled_at = None;
     for i in 0..4000 {
-        let reply = infer(port, &request(&i.to_string(), i, i / 360, json!({})));
+        let reply = infer_digits(port, &request(&i.to_string(), i, i / 360, json!({})));
         assert_eq!(cache_of(&reply), "miss", "request {i}");
         if i % 100 == 99 && sample(&scrape(port), &["edgeinfer_cache_disk_enabled"]) == 0.0 {
             disabled_at = Some(i);
@@ -373,8 +369,8 @@ fn a_full_disk_turns_the_disk_layer_off_and_serving_continues() {
     let at = disabled_at.expect("1 MiB filled up and the disk layer went off");
     // Serving goes on, from memory and the model.
     let req = request("after", 1, 0, json!({"top_k": 1}));
-    assert_eq!(cache_of(&infer(port, &req)), "miss");
-    assert_eq!(cache_of(&infer(port, &req)), "memory");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "miss");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
     let (_, stats) = get_json(port, "/cache/stats");
     let problem = stats["disk"]["problem"].as_str().unwrap_or_default().to_string();
     assert!(problem.contains("No space left"), "{stats}");

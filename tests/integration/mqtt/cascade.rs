@@ -2,7 +2,9 @@
 //! to a second node serving `digits-large` over HTTP (or to a fake OIP
 //! server where a test needs a slow or recording cloud).
 
-use super::support::{Client, Mosquitto, Node, embedded_node_with_http, free_port_pair, http, sample};
+use super::support::{
+    Client, Mosquitto, Node, embedded_node_with_http, free_port_pair, http, infer_digits, sample, scrape,
+};
 use crate::{digits_request, heldout};
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -16,18 +18,6 @@ fn request(id: &str, i: usize, parameters: Value) -> Value {
     let mut req = digits_request(id, &[split[i % split.len()].1.clone()]);
     req["parameters"] = parameters;
     req
-}
-
-fn infer(port: u16, req: &Value) -> Value {
-    let (status, body) =
-        http(port, "POST", "/v2/models/digits/infer", req.to_string().as_bytes(), "application/json");
-    let reply: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(status, 200, "{reply}");
-    reply
-}
-
-fn scrape(port: u16) -> String {
-    String::from_utf8(http(port, "GET", "/metrics", b"", "text/plain").1).unwrap()
 }
 
 fn served_by(reply: &Value) -> &str {
@@ -134,7 +124,8 @@ impl FakeCloud {
 fn edge_confidences(port: u16, n: usize) -> Vec<f64> {
     (0..n)
         .map(|i| {
-            let r = infer(port, &request(&format!("c{i}"), i, json!({"tier": "fast", "cache": false})));
+            let r =
+                infer_digits(port, &request(&format!("c{i}"), i, json!({"tier": "fast", "cache": false})));
             r["parameters"]["confidence"].as_f64().unwrap()
         })
         .collect()
@@ -153,7 +144,7 @@ fn escalates_below_the_threshold_and_not_above_it() {
     let (_edge, _, port) = edge_node("gw-x1", cloud_port, &[("EDGEINFER_MODELS__DIGITS__THRESHOLD", &t)]);
     let (mut up, mut local) = (0, 0);
     for (i, &c) in confidences.iter().enumerate() {
-        let reply = infer(port, &request(&format!("r{i}"), i, json!({"cache": false})));
+        let reply = infer_digits(port, &request(&format!("r{i}"), i, json!({"cache": false})));
         assert!(!degraded(&reply), "{reply}");
         if c < threshold {
             assert_eq!(served_by(&reply), "cloud", "confidence {c} < {threshold}: {reply}");
@@ -174,7 +165,7 @@ fn escalates_below_the_threshold_and_not_above_it() {
             local += 1;
         }
         // `fast` never escalates.
-        let fast = infer(port, &request(&format!("f{i}"), i, json!({"tier": "fast", "cache": false})));
+        let fast = infer_digits(port, &request(&format!("f{i}"), i, json!({"tier": "fast", "cache": false})));
         assert_eq!(served_by(&fast), "edge");
     }
     assert_eq!((up, local), (20, 20));
@@ -198,7 +189,8 @@ fn a_dead_cloud_gives_degraded_answers_in_time_opens_the_breaker_and_closes_when
     );
     for i in 0..8 {
         let started = Instant::now();
-        let reply = infer(port, &request(&format!("q{i}"), i, json!({"deadline_ms": 500, "cache": false})));
+        let reply =
+            infer_digits(port, &request(&format!("q{i}"), i, json!({"deadline_ms": 500, "cache": false})));
         assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
         assert_eq!(served_by(&reply), "edge");
         assert!(degraded(&reply), "{reply}");
@@ -211,7 +203,7 @@ fn a_dead_cloud_gives_degraded_answers_in_time_opens_the_breaker_and_closes_when
     let (_cloud, _) = cloud_node(Some(cloud_port));
     let start = Instant::now();
     loop {
-        let reply = infer(port, &request("back", 1, json!({"deadline_ms": 2000, "cache": false})));
+        let reply = infer_digits(port, &request("back", 1, json!({"deadline_ms": 2000, "cache": false})));
         if served_by(&reply) == "cloud" {
             assert!(!degraded(&reply));
             break;
@@ -226,7 +218,7 @@ fn a_dead_cloud_gives_degraded_answers_in_time_opens_the_breaker_and_closes_when
 fn quality_asks_the_cloud_first_and_without_fallback_says_cloud_unavailable() {
     let (_cloud, cloud_port) = cloud_node(None);
     let (_edge, _, port) = edge_node("gw-x3", cloud_port, &[]);
-    let reply = infer(port, &request("q", 2, json!({"tier": "quality", "cache": false})));
+    let reply = infer_digits(port, &request("q", 2, json!({"tier": "quality", "cache": false})));
     assert_eq!(served_by(&reply), "cloud", "{reply}");
 
     let dead = free_port_pair();
@@ -258,7 +250,7 @@ fn a_slow_cloud_never_makes_a_reply_miss_its_deadline_and_the_token_is_sent() {
     for (i, deadline) in [150u64, 300, 600].into_iter().enumerate() {
         for tier in ["standard", "quality"] {
             let started = Instant::now();
-            let reply = infer(
+            let reply = infer_digits(
                 port,
                 &request(&format!("s{i}"), i, json!({"deadline_ms": deadline, "tier": tier, "cache": false})),
             );
@@ -291,10 +283,10 @@ fn with_the_cloud_disabled_nothing_connects_to_it() {
         ],
     );
     for i in 0..5 {
-        let reply = infer(port, &request(&format!("n{i}"), i, json!({"cache": false})));
+        let reply = infer_digits(port, &request(&format!("n{i}"), i, json!({"cache": false})));
         assert_eq!(served_by(&reply), "edge");
         assert!(!degraded(&reply), "standard without a cloud is not degraded: {reply}");
-        let q = infer(port, &request(&format!("m{i}"), i, json!({"tier": "quality", "cache": false})));
+        let q = infer_digits(port, &request(&format!("m{i}"), i, json!({"tier": "quality", "cache": false})));
         assert_eq!(served_by(&q), "edge");
         assert!(degraded(&q), "quality wanted the cloud: {q}");
     }
@@ -477,7 +469,8 @@ fn seldon_mlserver_serving_scikit_learn_is_a_cloud_tier_too() {
     let split = heldout();
     let mut right = 0;
     for (i, (label, _)) in split.iter().enumerate().take(20) {
-        let reply = infer(port, &request(&format!("m{i}"), i, json!({"cache": false, "deadline_ms": 5000})));
+        let reply =
+            infer_digits(port, &request(&format!("m{i}"), i, json!({"cache": false, "deadline_ms": 5000})));
         assert_eq!(served_by(&reply), "cloud", "{reply}");
         assert_eq!(reply["model_name"], "digits-sk");
         assert_eq!(reply["outputs"][0]["name"], "predict_proba", "{reply}");
@@ -561,7 +554,7 @@ async fn an_https_cloud_is_reached_with_the_configured_ca_and_refused_with_anoth
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let (_edge, _, port) = tokio::task::block_in_place(|| embedded_node_with_http("gw-x9", &env));
         let reply = tokio::task::block_in_place(|| {
-            infer(port, &request("tls", 3, json!({"cache": false, "deadline_ms": 2000})))
+            infer_digits(port, &request("tls", 3, json!({"cache": false, "deadline_ms": 2000})))
         });
         if expect_cloud {
             assert_eq!(served_by(&reply), "cloud", "over https with cloud.ca_file: {reply}");

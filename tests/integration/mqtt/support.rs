@@ -29,6 +29,22 @@ pub fn http(port: u16, method: &str, path: &str, body: &[u8], content_type: &str
     (status, raw[split + 4..].to_vec())
 }
 
+/// `POST /v2/models/digits/infer` with `req`; the reply, asserting 200.
+pub fn infer_digits(port: u16, req: &serde_json::Value) -> serde_json::Value {
+    let (status, body) =
+        http(port, "POST", "/v2/models/digits/infer", req.to_string().as_bytes(), "application/json");
+    let reply: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    reply
+}
+
+/// The node's `/metrics` text, asserting 200.
+pub fn scrape(port: u16) -> String {
+    let (status, body) = http(port, "GET", "/metrics", b"", "text/plain");
+    assert_eq!(status, 200);
+    String::from_utf8(body).unwrap()
+}
+
 pub fn get_json(port: u16, path: &str) -> (u16, serde_json::Value) {
     let (status, body) = http(port, "GET", path, b"", "application/json");
     (
