@@ -19,6 +19,8 @@ pub fn dir() -> Option<PathBuf> {
 pub struct Case {
     pub name: String,
     pub model: LoadedModel,
+    /// A models directory holding just this model (NAME/1/model.toml).
+    pub models_dir: tempfile::TempDir,
     /// The 64 inputs, as the model takes them.
     pub input: TensorData,
     pub rows: usize,
@@ -75,12 +77,15 @@ pub fn load(dir: &std::path::Path, key: &str, variant: &str, batch_sizes: Vec<us
         dims(&out_shape),
     );
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::write(tmp.path().join("model.toml"), manifest).unwrap();
-    let model = LoadedModel::load(tmp.path(), &RuntimeOptions { batch_sizes, defer: false })
+    let version_dir = tmp.path().join(&name).join("1");
+    std::fs::create_dir_all(&version_dir).unwrap();
+    std::fs::write(version_dir.join("model.toml"), manifest).unwrap();
+    let model = LoadedModel::load(&version_dir, &RuntimeOptions { batch_sizes, defer: false })
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     Case {
         name,
         model,
+        models_dir: tmp,
         input,
         rows: in_shape[0] as usize,
         onnxruntime: ort.to_f64(),

@@ -59,3 +59,55 @@ fn the_softmax_pass_is_what_makes_the_quantized_classifiers_right() {
     let ad = tiny::load(&dir, "ad", "int8", vec![1]);
     assert!(ad.model.passes.is_empty(), "the autoencoder has no softmax: {:?}", ad.model.passes);
 }
+
+/// kws_int8 served by the real binary over HTTP: `INT8` in, `INT8` out, the
+/// same numbers as the runtime gives in process, and the load warning.
+#[test]
+fn an_int8_model_is_served_with_int8_tensors_and_the_loader_says_it_runs_float() {
+    let Some(dir) = tiny::dir() else {
+        eprintln!("SKIPPED: ../shared/mlperf-tiny is absent (CI has it)");
+        return;
+    };
+    let case = tiny::load(&dir, "kws", "int8", vec![1, 8]);
+    let models = case.models_dir.path().display().to_string();
+    let (node, _, port) = crate::mqtt::support::embedded_node_with_http(
+        "gw-int8",
+        &[("EDGEINFER_NODE__MODELS_DIR", &models), ("EDGEINFER_RUNTIME__BATCH_SIZES", "[1, 8]")],
+    );
+    let row = 49 * 10;
+    let edgeinfer::protocol::TensorData::I8(all) = &case.input else { panic!("kws_int8 takes int8") };
+    let req = serde_json::json!({
+        "id": "k",
+        "inputs": [{"name": case.model.manifest.input.name, "shape": [2, 49, 10, 1], "datatype": "INT8",
+                    "data": all[..2 * row]}]
+    });
+    let (status, body) = crate::mqtt::support::http(
+        port,
+        "POST",
+        "/v2/models/kws_int8/infer",
+        req.to_string().as_bytes(),
+        "application/json",
+    );
+    let reply: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    let out = &reply["outputs"][0];
+    assert_eq!(out["datatype"], "INT8", "{reply}");
+    assert_eq!(out["shape"], serde_json::json!([2, 12]));
+    let got: Vec<f64> = out["data"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let max_diff = got.iter().zip(&case.onnxruntime[..24]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(max_diff <= 8.0, "served kws_int8 is {max_diff} LSB from onnxruntime: {got:?}");
+    // A float input to an INT8 model is refused with the field named.
+    let mut wrong = req.clone();
+    wrong["inputs"][0]["datatype"] = "FP32".into();
+    let (status, body) = crate::mqtt::support::http(
+        port,
+        "POST",
+        "/v2/models/kws_int8/infer",
+        wrong.to_string().as_bytes(),
+        "application/json",
+    );
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("INT8"), "{}", String::from_utf8_lossy(&body));
+    let log = node.log.lock().unwrap().join("\n");
+    assert!(log.contains("kws_int8 1: labelled int8, but its optimized plan runs float kernels"), "{log}");
+}

@@ -7,7 +7,7 @@ mod embedded;
 mod lifecycle;
 mod mosquitto;
 mod observability;
-mod support;
+pub mod support;
 
 use crate::{digits_request, heldout};
 
