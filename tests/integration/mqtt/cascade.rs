@@ -254,14 +254,25 @@ fn a_slow_cloud_never_makes_a_reply_miss_its_deadline_and_the_token_is_sent() {
                 port,
                 &request(&format!("s{i}"), i, json!({"deadline_ms": deadline, "tier": tier, "cache": false})),
             );
-            // The node answers by the deadline it measures from arrival; the
-            // slack is this client's connect and the debug build's parsing.
+            // The client's figure includes its connect and, on a loaded CI
+            // machine, scheduling; the node's own figure is checked below.
             let took = started.elapsed();
-            assert!(took < Duration::from_millis(deadline + 20), "{tier} {deadline} ms took {took:?}");
+            assert!(took < Duration::from_millis(deadline + 250), "{tier} {deadline} ms took {took:?}");
             assert_eq!(served_by(&reply), "edge", "{reply}");
             assert!(degraded(&reply), "{reply}");
         }
     }
+    // From arrival to reply, as the node measured it: the two 150 ms
+    // requests within 0.2 s, the 300 ms ones within 0.5 s, all within 1 s,
+    // against a cloud that takes 2 s.
+    let metrics = scrape(port);
+    let e2e = |le: &str| {
+        sample(
+            &metrics,
+            &["stage_duration_seconds_bucket{", "model=\"digits\"", "end_to_end", &format!("le=\"{le}\"")],
+        )
+    };
+    assert!(e2e("0.2") >= 2.0 && e2e("0.5") >= 4.0 && e2e("1") >= 6.0, "{metrics}");
     let heads = fake.heads.lock().unwrap().clone();
     assert!(!heads.is_empty());
     for head in &heads {
