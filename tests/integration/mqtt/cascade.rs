@@ -355,6 +355,15 @@ async fn async_enrichment_sends_two_replies_and_the_spool_survives_an_outage_and
         got.iter().map(|(_, v)| (served_by(v), v["parameters"]["final"].as_bool().unwrap())).collect();
     assert_eq!(flags, vec![("edge", false), ("cloud", true)], "{got:?}");
     assert_eq!(got[1].1["id"], "up-0");
+    // `parameters.enrich = "sync"` overrides the model's async setting: one
+    // reply, the cloud's, with no `final` flag.
+    let payload = request("sync-0", 0, json!({"cache": false, "enrich": "sync"})).to_string().into_bytes();
+    client.request("edgeinfer/gw-x7/infer/digits", payload, "dev/x7/replies", b"sync-0", None).await;
+    let p = client.next(Duration::from_secs(20)).await.expect("the synchronous reply");
+    let v: Value = serde_json::from_slice(&p.payload).unwrap();
+    assert_eq!(served_by(&v), "cloud", "{v}");
+    assert!(v["parameters"].get("final").is_none(), "{v}");
+    assert!(client.next(Duration::from_millis(300)).await.is_none(), "no second reply");
     drop(_cloud);
 
     // 2. An outage: provisional answers now, finals once the cloud is back, in order.
