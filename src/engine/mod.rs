@@ -458,7 +458,12 @@ impl Engine {
                         edge.parameters.is_final = Some(false);
                         edge
                     } else {
-                        cascade::escalate(tiers, policy, &model, &req, edge, cloud_deadline, node).await
+                        // Asked async but answered here (HTTP, or the spool
+                        // could not take it): this reply is the final one.
+                        let mut answer =
+                            cascade::escalate(tiers, policy, &model, &req, edge, cloud_deadline, node).await;
+                        answer.parameters.is_final = (enrich == Enrich::Async).then_some(true);
+                        answer
                     }
                 }
                 _ => edge_answer.await?.0,

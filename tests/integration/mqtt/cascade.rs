@@ -220,6 +220,11 @@ fn quality_asks_the_cloud_first_and_without_fallback_says_cloud_unavailable() {
     let (_edge, _, port) = edge_node("gw-x3", cloud_port, &[]);
     let reply = infer_digits(port, &request("q", 2, json!({"tier": "quality", "cache": false})));
     assert_eq!(served_by(&reply), "cloud", "{reply}");
+    // Async enrichment asked over HTTP (no second reply possible) is
+    // answered at once, and says it is final.
+    let reply =
+        infer_digits(port, &request("a", 2, json!({"enrich": "async", "cache": false, "deadline_ms": 2000})));
+    assert_eq!(reply["parameters"]["final"], true, "{reply}");
 
     let dead = free_port_pair();
     let (_edge2, _, port2) = edge_node("gw-x4", dead, &[("EDGEINFER_CLOUD__FALLBACK", "false")]);
