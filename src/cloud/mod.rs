@@ -38,17 +38,14 @@ pub enum CloudError {
 
 impl CloudError {
     /// Worth another attempt: the network or the server, not the request.
-    fn retryable(&self) -> bool {
+    /// These are also what the circuit breaker counts as failures (any other
+    /// answer proves the uplink works).
+    pub(crate) fn retryable(&self) -> bool {
         match self {
             CloudError::Unreachable { .. } | CloudError::Timeout => true,
             CloudError::Status { status, .. } => *status >= 500 || *status == 429,
             _ => false,
         }
-    }
-
-    /// The server answered: the uplink works, whatever it said.
-    fn counts_as_failure(&self) -> bool {
-        self.retryable()
     }
 
     fn outcome(&self) -> &'static str {
@@ -208,7 +205,7 @@ impl Cloud {
         };
         metrics::histogram!(telemetry::CLOUD_LATENCY, "model" => edge_model.to_string())
             .record(started.elapsed().as_secs_f64());
-        let failed = result.as_ref().err().is_some_and(CloudError::counts_as_failure);
+        let failed = result.as_ref().err().is_some_and(CloudError::retryable);
         if let Some(state) = self.breaker.report(&admitted, !failed, Instant::now()) {
             metrics::gauge!(telemetry::CLOUD_BREAKER).set(state.gauge());
             match state {

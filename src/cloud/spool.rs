@@ -39,7 +39,6 @@ pub struct SpoolEntry {
     /// The edge answer as JSON: the final reply if the cloud never answers.
     pub edge: Vec<u8>,
     pub route: ReplyRoute,
-    pub queued_at_ms: u64,
 }
 
 /// Turns an entry and the cloud's answer (`None`: the cloud will not
@@ -161,7 +160,7 @@ impl SpoolTask {
             };
             match cloud.infer(&entry.model, &entry.cloud_model, &request, None).await {
                 Ok(response) => send(finish(&entry, Some(response))),
-                Err(e @ (CloudError::Status { .. } | CloudError::Invalid(_))) if !transient(&e) => {
+                Err(e @ (CloudError::Status { .. } | CloudError::Invalid(_))) if !e.retryable() => {
                     tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", entry.model);
                     send(finish(&entry, None));
                 }
@@ -234,11 +233,6 @@ impl SpoolTask {
     }
 }
 
-/// A server error that may pass (5xx, 429) keeps the entry.
-fn transient(e: &CloudError) -> bool {
-    matches!(e, CloudError::Status { status, .. } if *status >= 500 || *status == 429)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,7 +249,6 @@ mod tests {
                 correlation: Some(vec![n as u8]),
                 content_type: None,
             },
-            queued_at_ms: n as u64,
         }
     }
 

@@ -14,21 +14,26 @@ use std::time::Instant;
 /// How one model escalates (its `[models.NAME]` keys).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CascadePolicy {
-    pub cloud_model: String,
+    /// `None`: the cloud serves it under the edge model's own name.
+    cloud_model: Option<String>,
     pub threshold: f32,
     pub confidence: Confidence,
     pub enrich: Enrich,
 }
 
 impl CascadePolicy {
-    pub fn from_config(config: &crate::config::Config, model: &str) -> CascadePolicy {
-        let m = config.models.get(model).cloned().unwrap_or_default();
+    pub fn new(m: &crate::config::ModelConfig) -> CascadePolicy {
         CascadePolicy {
-            cloud_model: m.cloud_model.unwrap_or_else(|| model.to_string()),
+            cloud_model: m.cloud_model.clone(),
             threshold: m.threshold,
             confidence: m.confidence,
             enrich: m.enrich,
         }
+    }
+
+    /// The cloud tier's name for edge model `model`.
+    pub fn cloud_model<'a>(&'a self, model: &'a str) -> &'a str {
+        self.cloud_model.as_deref().unwrap_or(model)
     }
 }
 
@@ -135,7 +140,7 @@ pub async fn escalate(
     count_escalation(model.name(), "sync");
     let answer = tiers
         .cloud
-        .infer(model.name(), &policy.cloud_model, req, cloud_deadline)
+        .infer(model.name(), policy.cloud_model(model.name()), req, cloud_deadline)
         .await
         .and_then(|c| from_cloud(model, req, c, node));
     match answer {
@@ -187,11 +192,10 @@ pub async fn spool(
 ) -> bool {
     let entry = SpoolEntry {
         model: model.to_string(),
-        cloud_model: policy.cloud_model.clone(),
+        cloud_model: policy.cloud_model(model).to_string(),
         request: serde_json::to_vec(req).expect("JSON encoding of protocol types cannot fail"),
         edge: serde_json::to_vec(edge).expect("JSON encoding of protocol types cannot fail"),
         route: route.clone(),
-        queued_at_ms: telemetry::unix_now_ms(),
     };
     let queued = spool.push(entry).await;
     if queued {

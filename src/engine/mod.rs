@@ -41,17 +41,14 @@ pub struct EngineOptions {
     /// Per-model batching, by model name.
     pub model_batching: HashMap<String, BatchPolicy>,
     /// How models escalate to the cloud tier (used only with one), by name;
-    /// models not listed take `default_cascade` with their own name.
+    /// models not listed take `default_cascade`.
     pub cascade: HashMap<String, CascadePolicy>,
     pub default_cascade: CascadePolicy,
 }
 
 impl EngineOptions {
-    fn cascade(&self, model: &str) -> CascadePolicy {
-        self.cascade.get(model).cloned().unwrap_or_else(|| CascadePolicy {
-            cloud_model: model.to_string(),
-            ..self.default_cascade.clone()
-        })
+    fn cascade(&self, model: &str) -> &CascadePolicy {
+        self.cascade.get(model).unwrap_or(&self.default_cascade)
     }
 }
 
@@ -65,7 +62,7 @@ impl Default for EngineOptions {
             batching: BatchPolicy::default(),
             model_batching: HashMap::new(),
             cascade: HashMap::new(),
-            default_cascade: CascadePolicy::from_config(&Default::default(), ""),
+            default_cascade: CascadePolicy::new(&Default::default()),
         }
     }
 }
@@ -80,12 +77,8 @@ impl EngineOptions {
             queue_capacity: config.runtime.queue_capacity,
             batching: config.batch_policy(""),
             model_batching: config.models.keys().map(|m| (m.clone(), config.batch_policy(m))).collect(),
-            cascade: config
-                .models
-                .keys()
-                .map(|m| (m.clone(), CascadePolicy::from_config(config, m)))
-                .collect(),
-            default_cascade: CascadePolicy::from_config(config, ""),
+            cascade: config.models.iter().map(|(m, c)| (m.clone(), CascadePolicy::new(c))).collect(),
+            default_cascade: CascadePolicy::new(&Default::default()),
         }
     }
 }
@@ -413,15 +406,14 @@ impl Engine {
             at.checked_sub(reserve).unwrap_or(start)
         });
         let node = generation.options.node_id.as_str();
+        // Only a model that escalates has an enrichment mode.
+        let enrich = policy.map(|p| req.parameters.enrich.unwrap_or(p.enrich));
         let answer = async {
             let ticket = match cached {
                 Some((key, ttl)) => match self.cache.lookup(model.name(), key, ttl).await {
                     cache::Lookup::Hit(mut response) => {
                         response.id.clone_from(&req.id);
-                        let is_async = policy
-                            .as_ref()
-                            .is_some_and(|p| req.parameters.enrich.unwrap_or(p.enrich) == Enrich::Async);
-                        response.parameters.is_final = is_async.then_some(true);
+                        response.parameters.is_final = (enrich == Some(Enrich::Async)).then_some(true);
                         return Ok(response);
                     }
                     cache::Lookup::Miss(ticket) => Some(ticket),
@@ -431,23 +423,24 @@ impl Engine {
             let edge_answer = async {
                 let outputs = runner.run(prepared, deadline_at).await?;
                 let post = Instant::now();
-                let measure = policy.as_ref().map(|p| p.confidence).unwrap_or_default();
+                let measure = policy.map(|p| p.confidence).unwrap_or_default();
                 let confidence = cascade::confidence(&model, &outputs, measure);
                 let response = postprocess::respond(&model, &req, outputs, node)?;
                 telemetry::observe_stage(model.name(), Stage::Postprocess, post.elapsed().as_secs_f64());
                 Ok::<_, InferError>((response, confidence))
             };
-            let response = match (tier, tiers, &policy) {
+            let response = match (tier, tiers, policy) {
                 (Tier::Quality, Some(tiers), Some(policy)) => {
                     cascade::count_escalation(model.name(), "quality");
-                    let cloud = tiers.cloud.infer(model.name(), &policy.cloud_model, &req, cloud_deadline);
+                    let cloud_model = policy.cloud_model(model.name());
+                    let cloud = tiers.cloud.infer(model.name(), cloud_model, &req, cloud_deadline);
                     let (edge, cloud) = tokio::join!(edge_answer, cloud);
                     cascade::quality(tiers, &model, &req, edge?.0, cloud, node)?
                 }
                 (Tier::Quality, None, _) => cascade::degrade(model.name(), edge_answer.await?.0),
                 (Tier::Standard, Some(tiers), Some(policy)) => {
                     let (mut edge, confidence) = edge_answer.await?;
-                    let enrich = req.parameters.enrich.unwrap_or(policy.enrich);
+                    let enrich = enrich.unwrap_or(policy.enrich);
                     if !confidence.is_some_and(|c| c < policy.threshold) {
                         edge.parameters.is_final = (enrich == Enrich::Async).then_some(true);
                         edge
