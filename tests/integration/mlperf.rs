@@ -81,13 +81,11 @@ fn an_int8_model_is_served_with_int8_tensors_and_the_loader_says_it_runs_float()
         "inputs": [{"name": case.model.manifest.input.name, "shape": [2, 49, 10, 1], "datatype": "INT8",
                     "data": all[..2 * row]}]
     });
-    let (status, body) = crate::mqtt::support::http(
-        port,
-        "POST",
-        "/v2/models/kws_int8/infer",
-        req.to_string().as_bytes(),
-        "application/json",
-    );
+    let post = |body: &serde_json::Value| {
+        let path = "/v2/models/kws_int8/infer";
+        crate::mqtt::support::http(port, "POST", path, body.to_string().as_bytes(), "application/json")
+    };
+    let (status, body) = post(&req);
     let reply: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(status, 200, "{reply}");
     let out = &reply["outputs"][0];
@@ -99,13 +97,7 @@ fn an_int8_model_is_served_with_int8_tensors_and_the_loader_says_it_runs_float()
     // A float input to an INT8 model is refused with the field named.
     let mut wrong = req.clone();
     wrong["inputs"][0]["datatype"] = "FP32".into();
-    let (status, body) = crate::mqtt::support::http(
-        port,
-        "POST",
-        "/v2/models/kws_int8/infer",
-        wrong.to_string().as_bytes(),
-        "application/json",
-    );
+    let (status, body) = post(&wrong);
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
     assert!(String::from_utf8_lossy(&body).contains("INT8"), "{}", String::from_utf8_lossy(&body));
     let log = node.log.lock().unwrap().join("\n");

@@ -315,6 +315,18 @@ async fn send(client: &Client, id: String, i: usize) {
     client.request("edgeinfer/gw-x7/infer/digits", payload, "dev/x7/replies", id.as_bytes(), None).await
 }
 
+/// Sends held-out rows `first..` as `ids`, one at a time, each answered
+/// at once by the edge with `final: false`.
+async fn send_provisional(client: &mut Client, ids: &[String], first: usize) {
+    for (i, id) in ids.iter().enumerate() {
+        send(client, id.clone(), first + i).await;
+        let p = client.next(Duration::from_secs(20)).await.expect("a provisional reply");
+        let v: Value = serde_json::from_slice(&p.payload).unwrap();
+        assert_eq!(v["parameters"]["final"], false, "{v}");
+        assert_eq!(served_by(&v), "edge");
+    }
+}
+
 /// Collects replies by correlation data until each id has its `final: true`.
 async fn finals(client: &mut Client, ids: &[String], timeout: Duration) -> Vec<(String, Value)> {
     let mut got = Vec::new();
@@ -374,13 +386,7 @@ async fn async_enrichment_sends_two_replies_and_the_spool_survives_an_outage_and
     // 2. An outage: provisional answers now, finals once the cloud is back, in order.
     // One at a time, so the spool's order is the sending order.
     let ids: Vec<String> = (0..3).map(|i| format!("out-{i}")).collect();
-    for (i, id) in ids.iter().enumerate() {
-        send(&client, id.clone(), i + 1).await;
-        let p = client.next(Duration::from_secs(20)).await.expect("a provisional reply");
-        let v: Value = serde_json::from_slice(&p.payload).unwrap();
-        assert_eq!(v["parameters"]["final"], false, "{v}");
-        assert_eq!(served_by(&v), "edge");
-    }
+    send_provisional(&mut client, &ids, 1).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (cloud, _) = tokio::task::block_in_place(|| cloud_node(Some(cloud_port)));
     let got = finals(&mut client, &ids, Duration::from_secs(20)).await;
@@ -391,12 +397,7 @@ async fn async_enrichment_sends_two_replies_and_the_spool_survives_an_outage_and
 
     // 3. An outage across a restart of the edge node: the spool is on disk.
     let ids: Vec<String> = (0..2).map(|i| format!("rs-{i}")).collect();
-    for (i, id) in ids.iter().enumerate() {
-        send(&client, id.clone(), i + 5).await;
-        let p = client.next(Duration::from_secs(20)).await.expect("a provisional reply");
-        let v: Value = serde_json::from_slice(&p.payload).unwrap();
-        assert_eq!(v["parameters"]["final"], false, "{v}");
-    }
+    send_provisional(&mut client, &ids, 5).await;
     assert!(edge.terminate().success());
     let _cloud = tokio::task::block_in_place(|| cloud_node(Some(cloud_port)));
     let _edge = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-x7", &env));
