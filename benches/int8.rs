@@ -5,6 +5,8 @@
 //! per-item figures follows, and with EDGEINFER_PROFILE=1 the slowest nodes
 //! of each batch-1 plan. `benches/int8_onnxruntime.py` times the same ONNX
 //! files under onnxruntime for the other column; docs/BENCHMARKS.md has both.
+//! With EDGEINFER_INT8_OPS=off the INT8 models load without our integer
+//! ops (tract's own path: the "before" figures).
 
 #[path = "../tests/common/mlperf.rs"]
 mod tiny;

@@ -5,12 +5,20 @@
 #
 #   cross/build.sh                                   # both targets
 #   cross/build.sh aarch64-unknown-linux-musl        # one
+#   cross/build.sh --small [TARGET...]               # the size profile: dist/edgeinfer-TARGET-small
+#
+# The default build optimises for speed (Cargo.toml `[profile.release]`,
+# budget 32 MiB); `--small` builds `[profile.release-small]` for
+# flash-constrained images (budget 20 MiB, slower: docs/BENCHMARKS.md).
 #
 # Needs the rustup targets (added here) and, on Debian, musl-tools and
 # gcc-aarch64-linux-gnu for the C parts (mimalloc, ring). Users of cross-rs
 # can run `cross build --release --target ...` instead (Cross.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+profile=release
+suffix=
+if [ "${1:-}" = --small ]; then profile=release-small; suffix=-small; shift; fi
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(x86_64-unknown-linux-musl aarch64-unknown-linux-musl)
 
@@ -33,7 +41,8 @@ for target in "${targets[@]}"; do
             ;;
         *) echo "cross/build.sh: $target is not a target this script knows" >&2; exit 2 ;;
     esac
-    cargo build --release --locked --target "$target" --bin edgeinfer
-    cp "target/$target/release/edgeinfer" "dist/edgeinfer-$target"
-    echo "dist/edgeinfer-$target: $(stat -c %s "dist/edgeinfer-$target") bytes; $(file -b "dist/edgeinfer-$target" | cut -d, -f1-2,4-5)"
+    cargo build --profile "$profile" --locked --target "$target" --bin edgeinfer
+    out="dist/edgeinfer-$target$suffix"
+    cp "target/$target/$profile/edgeinfer" "$out"
+    echo "$out: $(stat -c %s "$out") bytes; $(file -b "$out" | cut -d, -f1-2,4-5)"
 done

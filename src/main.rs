@@ -357,13 +357,7 @@ fn run(cli: Cli) -> Result<i32> {
                     m.batch_sizes(),
                     m.load_time.as_secs_f64() * 1e3
                 );
-                println!(
-                    "  kernels: {} ({} integer, {} float: {})",
-                    kernels.kind(),
-                    kernels.integer.len(),
-                    kernels.float.len(),
-                    kernels.integer.iter().chain(&kernels.float).cloned().collect::<Vec<_>>().join(" ")
-                );
+                println!("  kernels: {}", kernels.summary());
                 if m.manifest.quantization.as_str() == "int8" && !kernels.runs_integer() {
                     println!("  warning: labelled int8 but the optimized plan runs float kernels");
                 }

@@ -7,6 +7,7 @@ mod kernels;
 mod manifest;
 pub mod passes;
 mod profile;
+pub mod quant;
 mod registry;
 mod runtime;
 

@@ -409,10 +409,9 @@ fn parse_onnx(
     manifest: &Manifest,
     bytes: &[u8],
 ) -> TractResult<(TypedModel, Symbol, Vec<super::passes::Applied>)> {
-    let mut model = tract_onnx::onnx()
-        .with_ignore_output_shapes(true)
-        .with_ignore_value_info(true)
-        .model_for_read(&mut &bytes[..])?;
+    let onnx = tract_onnx::onnx().with_ignore_output_shapes(true).with_ignore_value_info(true);
+    let proto = onnx.proto_model_for_read(&mut &bytes[..])?;
+    let mut model = onnx.model_for_proto_model(&proto)?;
     let batch = model.sym("batch");
     let input_name = &model.node(model.input_outlets()?[0].node).name;
     anyhow::ensure!(
@@ -435,7 +434,17 @@ fn parse_onnx(
         .collect();
     model.set_input_fact(0, InferenceFact::dt_shape(datum_type(manifest.input.datatype), dims))?;
     let mut typed = model.into_typed()?;
-    let applied = super::passes::before_declutter(&mut typed)?;
+    let mut applied = super::passes::before_declutter(&mut typed)?;
+    // EDGEINFER_INT8_OPS=off leaves quantized patterns on tract's own ops
+    // (the "before" column of docs/BENCHMARKS.md, measured in the same
+    // build); a list such as `conv,dense` rewrites only those kinds.
+    let kinds = super::quant::Kinds::from_env();
+    if let Some(graph) = &proto.graph {
+        let rewritten = super::quant::rewrite(graph, &*onnx.provider, &mut typed, &kinds)?;
+        if rewritten.total() > 0 {
+            applied.push(super::passes::Applied { pass: "int8-ops", nodes: rewritten.total() });
+        }
+    }
     Ok((typed.into_decluttered()?, batch, applied))
 }
 

@@ -68,7 +68,8 @@ fn models_verify_reports_kernels_and_latency() {
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     let digits = text.split("\ndigits-").next().unwrap();
     assert!(digits.contains("digits 1: ok"), "{text}");
-    assert!(digits.contains("kernels: integer"), "{text}");
+    assert!(digits.contains("kernels: integer (2 on edgeinfer integer ops"), "{text}");
+    assert!(digits.contains("load-time pass: int8-ops (2 nodes)"), "{text}");
     assert!(text.contains("digits-large 1: ok"), "{text}");
     assert!(text.contains("us/item"), "{text}");
 }

@@ -82,6 +82,9 @@ fn int8_model_runs_integer_kernels_and_f32_runs_float() {
     let registry = registry();
     let digits = registry.get("digits", None).unwrap();
     assert!(digits.kernels.runs_integer(), "digits kernels: {:?}", digits.kernels);
+    // Both QLinearMatMul layers run on our integer ops (the load-time rewrite).
+    assert_eq!(digits.kernels.ours, vec!["QDense", "QDense"], "{:?}", digits.kernels);
+    assert!(digits.passes.iter().any(|p| p.pass == "int8-ops" && p.nodes == 2), "{:?}", digits.passes);
     let twin = registry.get("digits-f32", None).unwrap();
     assert_eq!(twin.kernels.kind(), "float", "{:?}", twin.kernels);
 }

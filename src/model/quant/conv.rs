@@ -1,0 +1,327 @@
+//! `QConv`: an int8 2-D convolution (group 1, NCHW, any kernel size,
+//! stride, padding and dilation) as one matrix product per image on
+//! tract-linalg's integer kernels. The patch matrix is built straight from
+//! the int8 input (row copies, no `Im2col` node) and packed once; a 1x1
+//! stride-1 convolution packs its input as it is. Bias, zero points,
+//! per-channel requantization and the ReLU/ReLU6 clamp are one pass over
+//! each output row.
+
+use super::gemm::Weights;
+use super::igemm;
+use super::patches::{PatchLayout, im2col, pack_panels, widen_padded};
+use super::requant::{self, Activation, QParam, output_range, requantize_row};
+use std::sync::Arc;
+use tract_onnx::prelude::*;
+use tract_onnx::tract_core::internal::*;
+
+/// Shape of a convolution over one `[channels, height, width]` image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub kernel: [usize; 2],
+    pub strides: [usize; 2],
+    pub dilations: [usize; 2],
+    /// top, left, bottom, right (ONNX order: begins then ends).
+    pub pads: [usize; 4],
+}
+
+impl Geometry {
+    pub fn output_hw(&self) -> TractResult<[usize; 2]> {
+        let dim = |size: usize, k: usize, s: usize, d: usize, p0: usize, p1: usize| {
+            let span = d * (k - 1) + 1;
+            let padded = size + p0 + p1;
+            anyhow::ensure!(
+                k > 0 && s > 0 && d > 0 && padded >= span,
+                "convolution window larger than its input"
+            );
+            Ok((padded - span) / s + 1)
+        };
+        Ok([
+            dim(self.height, self.kernel[0], self.strides[0], self.dilations[0], self.pads[0], self.pads[2])?,
+            dim(self.width, self.kernel[1], self.strides[1], self.dilations[1], self.pads[1], self.pads[3])?,
+        ])
+    }
+
+    /// Rows of the patch matrix: one per input channel and kernel tap.
+    pub fn patch_len(&self) -> usize {
+        self.in_channels * self.kernel[0] * self.kernel[1]
+    }
+
+    pub fn is_pointwise(&self) -> bool {
+        self.kernel == [1, 1] && self.strides == [1, 1] && self.pads == [0; 4]
+    }
+}
+
+/// What the op computes, before any packing: the part tests build directly.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvSpec {
+    pub geometry: Geometry,
+    pub input: QParam,
+    pub output: QParam,
+    /// `[out_channels, in_channels * kh * kw]`, in the i8 domain.
+    pub weights: Vec<i8>,
+    /// Per output channel (one value broadcasts), in the i8 domain.
+    pub weight_zero: Vec<i32>,
+    /// Per output channel (one value broadcasts).
+    pub weight_scale: Vec<f32>,
+    /// In accumulator units (input scale x weight scale), per channel.
+    pub bias: Vec<i32>,
+    pub activation: Activation,
+}
+
+/// Per-channel multiplier `input_scale * weight_scale[c] / output_scale`,
+/// in that order of f32 operations, as onnxruntime computes it.
+pub fn multipliers(input: &QParam, weight_scale: &[f32], output: &QParam, channels: usize) -> Vec<f32> {
+    (0..channels).map(|c| input.scale * per(weight_scale, c) / output.scale).collect()
+}
+
+/// Element `c` of a per-channel vector, or its only element.
+pub fn per<T: Copy>(v: &[T], c: usize) -> T {
+    if v.len() == 1 { v[0] } else { v[c] }
+}
+
+/// Where the products run: our AVX2 kernel (`igemm`) on x86-64 hosts that
+/// have it, tract-linalg's integer kernels elsewhere (arm64 NEON/SDOT, VNNI).
+#[derive(Debug, Clone)]
+pub(super) enum Backend {
+    Ours(Arc<igemm::Left>, Arc<PatchLayout>),
+    Tract(Arc<Weights>),
+}
+
+#[derive(Debug, Clone)]
+pub struct QConv {
+    pub spec: Arc<ConvSpec>,
+    backend: Backend,
+    /// What is added to each output channel's exact sum: the bias, and on
+    /// tract's kernels (which see raw i8 values) the zero-point corrections
+    /// `- zx * sum(w) + K * zx * zw`.
+    offsets: Arc<Vec<i32>>,
+    multipliers: Arc<Vec<f32>>,
+    any_weight_zero: bool,
+}
+
+impl PartialEq for QConv {
+    fn eq(&self, other: &Self) -> bool {
+        self.spec == other.spec
+    }
+}
+
+impl QConv {
+    /// On the best kernels for this host.
+    pub fn new(spec: ConvSpec) -> TractResult<QConv> {
+        QConv::build(spec, !igemm::avx2())
+    }
+
+    /// On tract-linalg's kernels whatever the host (tests compare both).
+    pub fn on_tract_kernels(spec: ConvSpec) -> TractResult<QConv> {
+        QConv::build(spec, true)
+    }
+
+    fn build(spec: ConvSpec, tract: bool) -> TractResult<QConv> {
+        let g = spec.geometry;
+        let [oh, ow] = g.output_hw()?;
+        let k = g.patch_len();
+        anyhow::ensure!(spec.weights.len() == g.out_channels * k, "QConv: weights do not match the geometry");
+        let zx = spec.input.zero_i8();
+        let (backend, offsets) = if tract {
+            let weights = Weights::new(&spec.weights, g.out_channels, k, Some(oh * ow))?;
+            let offsets = (0..g.out_channels)
+                .map(|c| {
+                    per(&spec.bias, c) - zx * weights.row_sums[c] + k as i32 * zx * per(&spec.weight_zero, c)
+                })
+                .collect();
+            (Backend::Tract(Arc::new(weights)), offsets)
+        } else {
+            let left = igemm::Left::pack(&spec.weights, g.out_channels, k, 4, |c| per(&spec.weight_zero, c));
+            let layout = PatchLayout::new(&g, igemm::NR)?;
+            (
+                Backend::Ours(Arc::new(left), Arc::new(layout)),
+                (0..g.out_channels).map(|c| per(&spec.bias, c)).collect(),
+            )
+        };
+        let multipliers = multipliers(&spec.input, &spec.weight_scale, &spec.output, g.out_channels);
+        let any_weight_zero = spec.weight_zero.iter().any(|&z| z != 0);
+        Ok(QConv {
+            spec: Arc::new(spec),
+            backend,
+            offsets: Arc::new(offsets),
+            multipliers: Arc::new(multipliers),
+            any_weight_zero,
+        })
+    }
+
+    fn kernel_name(&self) -> String {
+        match &self.backend {
+            Backend::Ours(..) => "edgeinfer avx2 i16x2".into(),
+            Backend::Tract(w) => w.kernel_name(),
+        }
+    }
+
+    /// Convolves `images` NCHW images held as i8-domain values.
+    pub fn run(&self, x: &[i8], images: usize) -> TractResult<Vec<i8>> {
+        let g = self.spec.geometry;
+        let [oh, ow] = g.output_hw()?;
+        let image_len = g.in_channels * g.height * g.width;
+        anyhow::ensure!(x.len() == images * image_len, "QConv: input of {} values", x.len());
+        let n = oh * ow;
+        let mut out = vec![0i8; images * g.out_channels * n];
+        match &self.backend {
+            Backend::Ours(left, layout) => {
+                let (mut right, mut plane) = (igemm::Right::default(), Vec::new());
+                for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.out_channels * n)) {
+                    widen_padded(&g, image, self.spec.input.zero_i8(), &mut plane);
+                    right.pack_patches(&plane, layout);
+                    self.requantize_products(left, &right, y);
+                }
+            }
+            Backend::Tract(weights) => {
+                for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.out_channels * n)) {
+                    self.run_tract(weights, image, y)?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn requantize_products(&self, left: &igemm::Left, right: &igemm::Right, y: &mut [i8]) {
+        let (channels, n) = (self.spec.geometry.out_channels, right.cols);
+        let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+        let zy = self.spec.output.zero_i8();
+        igemm::product(left, right, |r0, c0, tile| {
+            let width = igemm::NR.min(n - c0);
+            for i in 0..left.mr.min(channels - r0) {
+                let c = r0 + i;
+                let sums = &tile[i * igemm::NR..i * igemm::NR + width];
+                let dst = &mut y[c * n + c0..c * n + c0 + width];
+                requantize_row(sums, self.offsets[c], self.multipliers[c], zy, lo, hi, dst);
+            }
+        });
+    }
+
+    fn run_tract(&self, weights: &Weights, image: &[i8], y: &mut [i8]) -> TractResult<()> {
+        let g = self.spec.geometry;
+        let [oh, ow] = g.output_hw()?;
+        let (n, k) = (oh * ow, g.patch_len());
+        let zx = self.spec.input.zero_i8() as i8;
+        let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+        let zy = self.spec.output.zero_i8();
+        let mut acc = Tensor::zero::<i32>(&[g.out_channels, n])?;
+        let requantize = |acc: &[i32], y: &mut [i8]| {
+            for c in 0..g.out_channels {
+                let row = c * n..(c + 1) * n;
+                requantize_row(
+                    &acc[row.clone()],
+                    self.offsets[c],
+                    self.multipliers[c],
+                    zy,
+                    lo,
+                    hi,
+                    &mut y[row],
+                );
+            }
+        };
+        if let (Some(panels), false) = (weights.b_panels(), self.any_weight_zero) {
+            // Straight from the image into the kernel's panels.
+            let packed = weights.packed_b(pack_panels(&g, [oh, ow], image, zx, panels), n);
+            weights.product(&*packed, n, &mut acc, false)?;
+            requantize(acc.try_as_plain_ram()?.as_slice::<i32>()?, y);
+            return Ok(());
+        }
+        let mut patches = Vec::new();
+        let b: &[i8] = if g.is_pointwise() {
+            image
+        } else {
+            patches.resize(k * n, 0);
+            im2col(&g, [oh, ow], image, zx, &mut patches);
+            &patches
+        };
+        let packed = weights.pack_b(b, n)?;
+        weights.product(&*packed, n, &mut acc, false)?;
+        let mut plain = acc.try_as_plain_ram_mut()?;
+        let acc = plain.as_slice_mut::<i32>()?;
+        if self.any_weight_zero {
+            // tract's kernels see raw values: subtract zw * (column sums).
+            let mut col_sums = vec![0i32; n];
+            for row in b.chunks(n) {
+                for (s, &v) in col_sums.iter_mut().zip(row) {
+                    *s += v as i32;
+                }
+            }
+            for c in 0..g.out_channels {
+                let zw = per(&self.spec.weight_zero, c);
+                for (a, s) in acc[c * n..(c + 1) * n].iter_mut().zip(&col_sums) {
+                    *a -= zw * s;
+                }
+            }
+        }
+        requantize(acc, y);
+        Ok(())
+    }
+}
+
+// Scales are finite (checked when the op is built), so equality is reflexive.
+impl Eq for QConv {}
+
+impl Op for QConv {
+    fn name(&self) -> StaticName {
+        "edgeinfer.QConv".into()
+    }
+
+    fn info(&self) -> TractResult<Vec<String>> {
+        let g = &self.spec.geometry;
+        Ok(vec![format!(
+            "{}->{} k{:?} s{:?} d{:?} p{:?} {:?} on {}",
+            g.in_channels,
+            g.out_channels,
+            g.kernel,
+            g.strides,
+            g.dilations,
+            g.pads,
+            self.spec.activation,
+            self.kernel_name()
+        )])
+    }
+
+    op_as_typed_op!();
+}
+
+impl EvalOp for QConv {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        let input = &inputs[0];
+        let images = input.shape()[0];
+        let x = self.spec.input.qtype.to_i8(requant::bytes_of(input)?);
+        let y = self.run(&x, images)?;
+        let g = self.spec.geometry;
+        let [oh, ow] = g.output_hw()?;
+        Ok(tvec!(
+            requant::tensor(self.spec.output.qtype, &[images, g.out_channels, oh, ow], y)?.into_tvalue()
+        ))
+    }
+}
+
+impl TypedOp for QConv {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let g = self.spec.geometry;
+        let shape = &inputs[0].shape;
+        anyhow::ensure!(
+            shape.rank() == 4
+                && shape[1] == g.in_channels.to_dim()
+                && shape[2] == g.height.to_dim()
+                && shape[3] == g.width.to_dim(),
+            "QConv expects [N, {}, {}, {}], got {shape:?}",
+            g.in_channels,
+            g.height,
+            g.width
+        );
+        let [oh, ow] = g.output_hw()?;
+        let dims: TVec<TDim> = tvec![shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()];
+        Ok(tvec!(self.spec.output.qtype.datum_type().fact(dims)))
+    }
+
+    as_op!();
+}

@@ -1,0 +1,194 @@
+//! `QDense`: an int8 fully connected layer (MatMul, Gemm, QLinearMatMul),
+//! `[rows, in] x [in, out]` as one product on tract-linalg's integer
+//! kernels with the requantization of `QConv`.
+
+use super::conv::{multipliers, per};
+use super::gemm::Weights;
+use super::igemm;
+use super::requant::{self, Activation, QParam, output_range, requantize_row};
+use std::sync::Arc;
+use tract_onnx::prelude::*;
+use tract_onnx::tract_core::internal::*;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DenseSpec {
+    pub inputs: usize,
+    pub outputs: usize,
+    pub input: QParam,
+    pub output: QParam,
+    /// `[outputs, inputs]` (the transpose of ONNX MatMul's B), i8 domain.
+    pub weights: Vec<i8>,
+    pub weight_zero: Vec<i32>,
+    pub weight_scale: Vec<f32>,
+    /// In accumulator units, per output.
+    pub bias: Vec<i32>,
+    pub activation: Activation,
+}
+
+/// Where the product runs (see `QConv`): our kernel with the weights as
+/// the right operand (columns = outputs, so one input row is a one-row
+/// tile), or tract-linalg's kernels.
+#[derive(Debug, Clone)]
+enum Backend {
+    Ours(Arc<igemm::Right>),
+    Tract(Arc<Weights>),
+}
+
+#[derive(Debug, Clone)]
+pub struct QDense {
+    pub spec: Arc<DenseSpec>,
+    backend: Backend,
+    offsets: Arc<Vec<i32>>,
+    multipliers: Arc<Vec<f32>>,
+}
+
+impl PartialEq for QDense {
+    fn eq(&self, other: &Self) -> bool {
+        self.spec == other.spec
+    }
+}
+
+impl QDense {
+    pub fn new(spec: DenseSpec) -> TractResult<QDense> {
+        QDense::build(spec, !igemm::avx2())
+    }
+
+    /// On tract-linalg's kernels whatever the host (tests compare both).
+    pub fn on_tract_kernels(spec: DenseSpec) -> TractResult<QDense> {
+        QDense::build(spec, true)
+    }
+
+    fn build(spec: DenseSpec, tract: bool) -> TractResult<QDense> {
+        let (m, k) = (spec.outputs, spec.inputs);
+        anyhow::ensure!(spec.weights.len() == m * k, "QDense: weights do not match {k} -> {m}");
+        let zx = spec.input.zero_i8();
+        let (backend, offsets) = if tract {
+            let weights = Weights::new(&spec.weights, m, k, Some(1))?;
+            let offsets = (0..m)
+                .map(|c| {
+                    per(&spec.bias, c) - zx * weights.row_sums[c] + k as i32 * zx * per(&spec.weight_zero, c)
+                })
+                .collect();
+            (Backend::Tract(Arc::new(weights)), offsets)
+        } else {
+            let right = igemm::Right::pack_transposed(&spec.weights, m, k, |c| per(&spec.weight_zero, c));
+            (Backend::Ours(Arc::new(right)), (0..m).map(|c| per(&spec.bias, c)).collect())
+        };
+        let multipliers = multipliers(&spec.input, &spec.weight_scale, &spec.output, m);
+        Ok(QDense {
+            spec: Arc::new(spec),
+            backend,
+            offsets: Arc::new(offsets),
+            multipliers: Arc::new(multipliers),
+        })
+    }
+
+    fn kernel_name(&self) -> String {
+        match &self.backend {
+            Backend::Ours(_) => "edgeinfer avx2 i16x2".into(),
+            Backend::Tract(w) => w.kernel_name(),
+        }
+    }
+
+    /// `rows` input rows of i8-domain values to `rows` output rows.
+    pub fn run(&self, x: &[i8], rows: usize) -> TractResult<Vec<i8>> {
+        let (m, k) = (self.spec.outputs, self.spec.inputs);
+        anyhow::ensure!(x.len() == rows * k, "QDense: input of {} values for {rows} rows of {k}", x.len());
+        let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+        let zy = self.spec.output.zero_i8();
+        let mut out = vec![0i8; rows * m];
+        match &self.backend {
+            Backend::Ours(right) => {
+                let zx = self.spec.input.zero_i8();
+                let left = igemm::Left::pack(x, rows, k, if rows >= 4 { 4 } else { 1 }, |_| zx);
+                igemm::product(&left, right, |r0, c0, tile| {
+                    let width = igemm::NR.min(m - c0);
+                    for i in 0..left.mr.min(rows - r0) {
+                        let y = &mut out[(r0 + i) * m + c0..(r0 + i) * m + c0 + width];
+                        for (j, y) in y.iter_mut().enumerate() {
+                            let c = c0 + j;
+                            let mut one = [0i8];
+                            let sum = [tile[i * igemm::NR + j]];
+                            requantize_row(&sum, self.offsets[c], self.multipliers[c], zy, lo, hi, &mut one);
+                            *y = one[0];
+                        }
+                    }
+                });
+            }
+            Backend::Tract(weights) => {
+                let packed = weights.pack_b_transposed(x, rows)?;
+                let mut acc = Tensor::zero::<i32>(&[rows, m])?;
+                weights.product(&*packed, rows, &mut acc, true)?;
+                let acc = acc.try_as_plain_ram()?.as_slice::<i32>()?;
+                let corrects = self.spec.weight_zero.iter().any(|&z| z != 0);
+                for (r, (y, a)) in out.chunks_mut(m).zip(acc.chunks(m)).enumerate() {
+                    // tract's kernels see raw values: subtract zw * (row sum).
+                    let row_sum: i32 =
+                        if corrects { x[r * k..(r + 1) * k].iter().map(|&v| v as i32).sum() } else { 0 };
+                    for c in 0..m {
+                        let sum = [a[c] - per(&self.spec.weight_zero, c) * row_sum];
+                        requantize_row(
+                            &sum,
+                            self.offsets[c],
+                            self.multipliers[c],
+                            zy,
+                            lo,
+                            hi,
+                            &mut y[c..c + 1],
+                        );
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+// Scales are finite (checked when the op is built), so equality is reflexive.
+impl Eq for QDense {}
+
+impl Op for QDense {
+    fn name(&self) -> StaticName {
+        "edgeinfer.QDense".into()
+    }
+
+    fn info(&self) -> TractResult<Vec<String>> {
+        Ok(vec![format!(
+            "{}->{} {:?} on {}",
+            self.spec.inputs,
+            self.spec.outputs,
+            self.spec.activation,
+            self.kernel_name()
+        )])
+    }
+
+    op_as_typed_op!();
+}
+
+impl EvalOp for QDense {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        let input = &inputs[0];
+        let rows = input.shape()[0];
+        let x = self.spec.input.qtype.to_i8(requant::bytes_of(input)?);
+        let y = self.run(&x, rows)?;
+        Ok(tvec!(requant::tensor(self.spec.output.qtype, &[rows, self.spec.outputs], y)?.into_tvalue()))
+    }
+}
+
+impl TypedOp for QDense {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let shape = &inputs[0].shape;
+        anyhow::ensure!(
+            shape.rank() == 2 && shape[1] == self.spec.inputs.to_dim(),
+            "QDense expects [N, {}], got {shape:?}",
+            self.spec.inputs
+        );
+        Ok(tvec!(
+            self.spec.output.qtype.datum_type().fact(tvec![shape[0].clone(), self.spec.outputs.to_dim()])
+        ))
+    }
+
+    as_op!();
+}

@@ -1,0 +1,269 @@
+//! Our i8 x i8 -> i32 matrix product for x86-64 AVX2 hosts, where
+//! tract-linalg's `avx2_mmm_i32_8x8` widens each byte and multiplies in
+//! 16-bit lanes one k at a time (4 multiply-adds a cycle, measured: 196 us
+//! for a 16x144x1024 product; docs/BENCHMARKS.md). Here both operands are
+//! widened to i16 *with their zero points subtracted* when they are packed,
+//! so `vpmaddwd` does 16 exact multiply-adds per instruction (|x - z| <=
+//! 255, so a pair sums to at most 130,050) and no zero-point correction is
+//! left for the epilogue.
+//!
+//! Layout: the left operand in panels of `MR` rows and the right one in
+//! panels of `NR = 16` columns, both as k-pairs: one u32 per row (or
+//! column) and pair of k holding `(v[2p] - z) | (v[2p + 1] - z) << 16`.
+
+use super::patches::PatchLayout;
+
+/// Columns of a right-hand panel: two ymm registers of eight i32.
+pub const NR: usize = 16;
+
+/// A left operand packed in panels of `mr` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Left {
+    pub rows: usize,
+    pub k: usize,
+    pub mr: usize,
+    data: Vec<u32>,
+}
+
+/// A right operand packed in panels of `NR` columns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Right {
+    pub cols: usize,
+    pub k: usize,
+    data: Vec<u32>,
+}
+
+#[inline(always)]
+fn pair(a: i32, b: i32) -> u32 {
+    (a as i16 as u16 as u32) | ((b as i16 as u16 as u32) << 16)
+}
+
+impl Left {
+    /// `values` is row-major `rows x k`; `zero(r)` is row r's zero point.
+    pub fn pack(values: &[i8], rows: usize, k: usize, mr: usize, zero: impl Fn(usize) -> i32) -> Left {
+        let k2 = k.div_ceil(2);
+        let panels = rows.div_ceil(mr);
+        let mut data = vec![0u32; panels * k2 * mr];
+        for r in 0..rows {
+            let (p, i) = (r / mr, r % mr);
+            let z = zero(r);
+            let row = &values[r * k..(r + 1) * k];
+            for kp in 0..k2 {
+                let lo = row[2 * kp] as i32 - z;
+                let hi = if 2 * kp + 1 < k { row[2 * kp + 1] as i32 - z } else { 0 };
+                data[(p * k2 + kp) * mr + i] = pair(lo, hi);
+            }
+        }
+        Left { rows, k, mr, data }
+    }
+
+    fn panel(&self, p: usize) -> &[u32] {
+        let len = self.k.div_ceil(2) * self.mr;
+        &self.data[p * len..(p + 1) * len]
+    }
+}
+
+impl Right {
+    /// Packs columns given as rows of `k` values (`cols x k`, row-major: a
+    /// weight matrix stored per output, or a batch of dense inputs);
+    /// `zero(c)` is column c's zero point.
+    pub fn pack_transposed(values: &[i8], cols: usize, k: usize, zero: impl Fn(usize) -> i32) -> Right {
+        let k2 = k.div_ceil(2);
+        let mut right = Right { cols, k, data: vec![0u32; cols.div_ceil(NR) * k2 * NR] };
+        for c in 0..cols {
+            let z = zero(c);
+            let col = &values[c * k..(c + 1) * k];
+            let (p, j) = (c / NR, c % NR);
+            for kp in 0..k2 {
+                let lo = col[2 * kp] as i32 - z;
+                let hi = if 2 * kp + 1 < k { col[2 * kp + 1] as i32 - z } else { 0 };
+                right.data[(p * k2 + kp) * NR + j] = pair(lo, hi);
+            }
+        }
+        right
+    }
+
+    /// Packs the patch matrix of an image already widened and padded
+    /// (`patches::widen_padded`) as `layout` says: per panel and pair of
+    /// rows, one 32-byte load per row and an interleave where the panel's
+    /// columns are contiguous, a gather elsewhere.
+    pub fn pack_patches(&mut self, plane: &[i16], layout: &PatchLayout) {
+        let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
+        let k2 = k.div_ceil(2);
+        let panels = cols.div_ceil(NR);
+        self.cols = cols;
+        self.k = k;
+        self.data.clear();
+        self.data.resize(panels * k2 * NR, 0);
+        let avx2 = avx2();
+        for p in 0..panels {
+            let columns = &layout.column_offsets[p * NR..cols.min((p + 1) * NR)];
+            let panel = &mut self.data[p * k2 * NR..(p + 1) * k2 * NR];
+            for (kp, out) in panel.chunks_exact_mut(NR).enumerate() {
+                let r0 = layout.row_offsets[2 * kp];
+                let r1 = layout.row_offsets.get(2 * kp + 1).copied();
+                #[cfg(target_arch = "x86_64")]
+                if avx2 && layout.contiguous[p] {
+                    let start = |r: usize| &plane[r + columns[0]..r + columns[0] + NR];
+                    let second = r1.map(start);
+                    unsafe { interleave_avx2(out, start(r0), second) };
+                    continue;
+                }
+                let _ = avx2;
+                for (o, &col) in out.iter_mut().zip(columns) {
+                    let hi = r1.map(|r| plane[r + col]).unwrap_or(0);
+                    *o = pair(plane[r0 + col] as i32, hi as i32);
+                }
+            }
+        }
+    }
+
+    fn panel(&self, p: usize) -> &[u32] {
+        let len = self.k.div_ceil(2) * NR;
+        &self.data[p * len..(p + 1) * len]
+    }
+}
+
+/// Whether this host runs the AVX2 kernel (else the portable one).
+pub fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `left x right`, one `mr x NR` tile at a time, each handed to `emit(row,
+/// col, tile)` with the tile's exact i32 sums (`tile[i * NR + j]` for row
+/// `row + i`, column `col + j`; rows and columns past the ends are zero).
+pub fn product(left: &Left, right: &Right, mut emit: impl FnMut(usize, usize, &[i32])) {
+    assert_eq!(left.k, right.k, "product: inner dimensions differ");
+    let k2 = left.k.div_ceil(2);
+    let mut tile = [0i32; 4 * NR];
+    let use_avx2 = avx2();
+    for cp in 0..right.cols.div_ceil(NR) {
+        let b = right.panel(cp);
+        for rp in 0..left.rows.div_ceil(left.mr) {
+            let a = left.panel(rp);
+            let tile = &mut tile[..left.mr * NR];
+            match (use_avx2, left.mr) {
+                #[cfg(target_arch = "x86_64")]
+                (true, 4) => unsafe { avx2_tile::<4>(a, b, k2, tile) },
+                #[cfg(target_arch = "x86_64")]
+                (true, 1) => unsafe { avx2_tile::<1>(a, b, k2, tile) },
+                _ => portable_tile(a, b, k2, left.mr, tile),
+            }
+            emit(rp * left.mr, cp * NR, tile);
+        }
+    }
+}
+
+fn portable_tile(a: &[u32], b: &[u32], k2: usize, mr: usize, tile: &mut [i32]) {
+    tile.fill(0);
+    let half = |v: u32, hi: bool| (if hi { v >> 16 } else { v } as u16 as i16) as i32;
+    for kp in 0..k2 {
+        for i in 0..mr {
+            let av = a[kp * mr + i];
+            let (a0, a1) = (half(av, false), half(av, true));
+            for j in 0..NR {
+                let bv = b[kp * NR + j];
+                tile[i * NR + j] += a0 * half(bv, false) + a1 * half(bv, true);
+            }
+        }
+    }
+}
+
+/// `out[j] = a[j] | b[j] << 16` for 16 columns: unpack the two rows' i16
+/// lanes (which interleaves within each 128-bit half) and put the halves
+/// back in column order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn interleave_avx2(out: &mut [u32], a: &[i16], b: Option<&[i16]>) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= NR && a.len() >= NR && b.is_none_or(|b| b.len() >= NR));
+    unsafe {
+        let va = _mm256_loadu_si256(a.as_ptr() as *const __m256i);
+        let vb = match b {
+            Some(b) => _mm256_loadu_si256(b.as_ptr() as *const __m256i),
+            None => _mm256_setzero_si256(),
+        };
+        let lo = _mm256_unpacklo_epi16(va, vb); // columns 0-3 | 8-11
+        let hi = _mm256_unpackhi_epi16(va, vb); // columns 4-7 | 12-15
+        let first = _mm256_permute2x128_si256(lo, hi, 0x20);
+        let second = _mm256_permute2x128_si256(lo, hi, 0x31);
+        _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, first);
+        _mm256_storeu_si256(out.as_mut_ptr().add(8) as *mut __m256i, second);
+    }
+}
+
+/// The register tile: `MR` rows x 16 columns in `2 * MR` ymm accumulators;
+/// per pair of k, two loads of the right panel, `MR` broadcasts of the left
+/// and `2 * MR` `vpmaddwd`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, tile: &mut [i32]) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= k2 * MR && b.len() >= k2 * NR && tile.len() >= MR * NR);
+    unsafe {
+        let mut acc = [[_mm256_setzero_si256(); 2]; MR];
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        for kp in 0..k2 {
+            let b0 = _mm256_loadu_si256(pb.add(kp * NR) as *const __m256i);
+            let b1 = _mm256_loadu_si256(pb.add(kp * NR + 8) as *const __m256i);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_set1_epi32(*pa.add(kp * MR + i) as i32);
+                row[0] = _mm256_add_epi32(row[0], _mm256_madd_epi16(av, b0));
+                row[1] = _mm256_add_epi32(row[1], _mm256_madd_epi16(av, b1));
+            }
+        }
+        let out = tile.as_mut_ptr();
+        for (i, row) in acc.iter().enumerate() {
+            _mm256_storeu_si256(out.add(i * NR) as *mut __m256i, row[0]);
+            _mm256_storeu_si256(out.add(i * NR + 8) as *mut __m256i, row[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn products_are_exact_with_zero_points_on_every_tile_edge() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        for &(m, k, n, mr) in &[
+            (1, 1, 1, 1),
+            (3, 5, 7, 4),
+            (16, 27, 1024, 4),
+            (5, 64, 33, 1),
+            (9, 145, 17, 4),
+            (64, 576, 64, 4),
+        ] {
+            let a: Vec<i8> = (0..m * k).map(|_| rng.i8(..)).collect();
+            let b: Vec<i8> = (0..k * n).map(|_| rng.i8(..)).collect();
+            let za: Vec<i32> = (0..m).map(|_| rng.i32(-128..128)).collect();
+            let zb = rng.i32(-128..128);
+            let left = Left::pack(&a, m, k, mr, |r| za[r]);
+            let bt: Vec<i8> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            let right = Right::pack_transposed(&bt, n, k, |_| zb);
+            let mut got = vec![0i32; m * n];
+            product(&left, &right, |r0, c0, tile| {
+                for i in 0..mr.min(m - r0) {
+                    for j in 0..NR.min(n - c0) {
+                        got[(r0 + i) * n + c0 + j] = tile[i * NR + j];
+                    }
+                }
+            });
+            for i in 0..m {
+                for j in 0..n {
+                    let want: i32 =
+                        (0..k).map(|x| (a[i * k + x] as i32 - za[i]) * (b[x * n + j] as i32 - zb)).sum();
+                    assert_eq!(got[i * n + j], want, "{m}x{k}x{n} mr {mr} at {i},{j}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Integer inference: a load-time rewrite that replaces the quantized
+//! patterns of an ONNX model (see `pattern`) with int8 ops of our own, so
+//! activations stay 8-bit from the model's first quantize to its last
+//! dequantize and the heavy products run on tract-linalg's integer kernels.
+//!
+//! It runs on tract's typed model before `declutter`, while every tensor
+//! still carries its ONNX name: the match is made on the protobuf, the
+//! replacement wired between the same named tensors, and what it replaced
+//! (dequantize, float conv, relu, quantize) is left dead for declutter to
+//! remove. Whatever does not match stays on tract's own ops.
+
+pub mod add;
+pub mod conv;
+pub mod dense;
+mod gemm;
+mod igemm;
+mod patches;
+mod pattern;
+pub mod pool;
+pub mod requant;
+
+use pattern::{Found, Fusion};
+use std::collections::HashMap;
+use tract_onnx::data_resolver::ModelDataResolver;
+use tract_onnx::pb::GraphProto;
+use tract_onnx::prelude::*;
+use tract_onnx::tract_core::internal::*;
+
+/// How many nodes of each kind the rewrite replaced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rewritten {
+    pub conv: usize,
+    pub dense: usize,
+    pub add: usize,
+    pub pool: usize,
+}
+
+impl Rewritten {
+    pub fn total(&self) -> usize {
+        self.conv + self.dense + self.add + self.pool
+    }
+}
+
+/// Which kinds of op the rewrite may use: all by default; the variable
+/// `EDGEINFER_INT8_OPS` (`off`, or a list of `conv`, `dense`, `add`, `pool`)
+/// narrows it, to measure or to bisect a numeric difference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kinds(Vec<String>);
+
+impl Kinds {
+    pub fn all() -> Kinds {
+        Kinds(["conv", "dense", "add", "pool"].map(String::from).to_vec())
+    }
+
+    pub fn from_env() -> Kinds {
+        match std::env::var("EDGEINFER_INT8_OPS") {
+            Ok(v) if v == "off" => Kinds(Vec::new()),
+            Ok(v) if !v.is_empty() => Kinds(v.split(',').map(|s| s.trim().to_string()).collect()),
+            _ => Kinds::all(),
+        }
+    }
+
+    fn allows(&self, fusion: &Fusion) -> bool {
+        let kind = match fusion {
+            Fusion::Conv(_) => "conv",
+            Fusion::Dense(_) => "dense",
+            Fusion::Add(_) => "add",
+            Fusion::Pool(..) => "pool",
+        };
+        self.0.iter().any(|k| k == kind)
+    }
+}
+
+/// Rewrites `model` (parsed from `graph`) in place.
+pub fn rewrite(
+    graph: &GraphProto,
+    resolver: &dyn ModelDataResolver,
+    model: &mut TypedModel,
+    kinds: &Kinds,
+) -> TractResult<Rewritten> {
+    let mut done = Rewritten::default();
+    let mut outlets: HashMap<String, OutletId> =
+        model.outlet_labels.iter().map(|(o, l)| (l.clone(), *o)).collect();
+    for found in pattern::find(graph, resolver).into_iter().filter(|f| kinds.allows(&f.fusion)) {
+        let Some(inputs) = found.inputs.iter().map(|n| outlets.get(n).copied()).collect::<Option<Vec<_>>>()
+        else {
+            continue;
+        };
+        let Some(&target) = outlets.get(&found.output) else { continue };
+        let kind = match &found.fusion {
+            Fusion::Conv(_) => &mut done.conv,
+            Fusion::Dense(_) => &mut done.dense,
+            Fusion::Add(_) => &mut done.add,
+            Fusion::Pool(..) => &mut done.pool,
+        };
+        let name = format!("{}.int8", found.node);
+        match replace(model, &found, &inputs, target, &name) {
+            Ok(Some(new)) => {
+                model.outlet_labels.remove(&target);
+                model.set_outlet_label(new, found.output.clone())?;
+                outlets.insert(found.output.clone(), new);
+                *kind += 1;
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!("{}: left on tract's ops: {e:#}", found.node),
+        }
+    }
+    Ok(done)
+}
+
+/// Wires the op for `found` from `inputs` in place of `target`; `None`
+/// when the typed model's facts say it does not fit (types, shapes).
+fn replace(
+    model: &mut TypedModel,
+    found: &Found,
+    inputs: &[OutletId],
+    target: OutletId,
+    name: &str,
+) -> TractResult<Option<OutletId>> {
+    let facts: Vec<TypedFact> =
+        inputs.iter().map(|o| model.outlet_fact(*o).cloned()).collect::<TractResult<_>>()?;
+    let op: Box<dyn TypedOp> = match &found.fusion {
+        Fusion::Conv(spec) => {
+            let mut spec = spec.clone();
+            let shape = &facts[0].shape;
+            anyhow::ensure!(shape.rank() == 4, "conv input of rank {}", shape.rank());
+            spec.geometry.height = shape[2].to_usize()?;
+            spec.geometry.width = shape[3].to_usize()?;
+            anyhow::ensure!(
+                types_match(&facts[0], spec.input.qtype),
+                "conv input of type {:?}",
+                facts[0].datum_type
+            );
+            Box::new(conv::QConv::new(spec)?)
+        }
+        Fusion::Dense(spec) => {
+            anyhow::ensure!(
+                types_match(&facts[0], spec.input.qtype),
+                "dense input of type {:?}",
+                facts[0].datum_type
+            );
+            Box::new(dense::QDense::new(spec.clone())?)
+        }
+        Fusion::Add(op) => {
+            anyhow::ensure!(
+                types_match(&facts[0], op.a.qtype) && types_match(&facts[1], op.b.qtype),
+                "add operand types"
+            );
+            Box::new(op.clone())
+        }
+        Fusion::Pool(op, window) => {
+            let shape = &facts[0].shape;
+            anyhow::ensure!(shape.rank() == 4 && types_match(&facts[0], op.input.qtype), "pool input");
+            if let Some([kh, kw]) = window {
+                anyhow::ensure!(
+                    shape[2].to_usize()? == *kh && shape[3].to_usize()? == *kw,
+                    "a pool window smaller than the image"
+                );
+            }
+            Box::new(op.clone())
+        }
+    };
+    let fact_refs: Vec<&TypedFact> = facts.iter().collect();
+    let out = op.output_facts(&fact_refs)?;
+    let want = model.outlet_fact(target)?;
+    if out[0].shape != want.shape || out[0].datum_type.unquantized() != want.datum_type.unquantized() {
+        return Ok(None);
+    }
+    let mut patch = TypedModelPatch::default();
+    let taps = inputs.iter().map(|o| patch.tap_model(model, *o)).collect::<TractResult<TVec<_>>>()?;
+    let wire = patch.wire_node(name, op, &taps)?;
+    patch.shunt_outside(model, target, wire[0])?;
+    patch.apply(model)?;
+    Ok(Some(OutletId::new(model.node_id_by_name(name)?, 0)))
+}
+
+fn types_match(fact: &TypedFact, qtype: requant::QType) -> bool {
+    requant::QType::of(fact.datum_type) == Some(qtype)
+}
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,239 @@
+//! The patch matrix of a convolution (one row per input channel and kernel
+//! tap, one column per output pixel), either as a plain matrix or written
+//! straight into the column panels of tract-linalg's plain packed format
+//! (the AVX2 and NEON integer kernels), which skips both a materialised
+//! patch matrix and a second packing pass.
+
+use super::conv::Geometry;
+use tract_onnx::prelude::*;
+use tract_onnx::tract_core::tract_linalg::pack::PackedFormat;
+
+/// The patch matrix of one image: row `(c * kh + ky) * kw + kx`, column
+/// `oy * ow + ox`, holding the input at that tap or the zero point in the
+/// padding (so the padding contributes exactly zero after the zero-point
+/// correction). Each row is made of runs copied from an input row.
+pub fn im2col(g: &Geometry, [oh, ow]: [usize; 2], x: &[i8], zero: i8, out: &mut [i8]) {
+    let (h, w) = (g.height as isize, g.width as isize);
+    let [sy, sx] = g.strides.map(|s| s as isize);
+    let [dy, dx] = g.dilations.map(|d| d as isize);
+    let (pt, pl) = (g.pads[0] as isize, g.pads[1] as isize);
+    let n = oh * ow;
+    let mut rows = out.chunks_mut(n);
+    for c in 0..g.in_channels {
+        let plane = &x[c * g.height * g.width..(c + 1) * g.height * g.width];
+        for ky in 0..g.kernel[0] as isize {
+            for kx in 0..g.kernel[1] as isize {
+                let row = rows.next().expect("patch matrix has a row per tap");
+                // Output columns whose input column is inside the image.
+                let first = (pl - kx * dx).max(0);
+                let ox_lo = ((first + sx - 1) / sx).min(ow as isize) as usize;
+                let last = w - 1 + pl - kx * dx; // largest ox * sx allowed
+                let ox_hi = if last < 0 {
+                    0
+                } else {
+                    ((last / sx) + 1).min(ow as isize).max(ox_lo as isize) as usize
+                };
+                for oy in 0..oh {
+                    let dst = &mut row[oy * ow..(oy + 1) * ow];
+                    let iy = oy as isize * sy + ky * dy - pt;
+                    if iy < 0 || iy >= h || ox_lo >= ox_hi {
+                        dst.fill(zero);
+                        continue;
+                    }
+                    let src = &plane[(iy * w) as usize..((iy + 1) * w) as usize];
+                    dst[..ox_lo].fill(zero);
+                    dst[ox_hi..].fill(zero);
+                    let ix0 = (ox_lo as isize * sx + kx * dx - pl) as usize;
+                    if sx == 1 {
+                        dst[ox_lo..ox_hi].copy_from_slice(&src[ix0..ix0 + (ox_hi - ox_lo)]);
+                    } else {
+                        for (i, d) in dst[ox_lo..ox_hi].iter_mut().enumerate() {
+                            *d = src[ix0 + i * sx as usize];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The patch matrix of one image packed as `format` lays out a `k x n`
+/// operand (byte items): panels of `r` columns, each `k` rows of `r` bytes
+/// then zero padding up to the panel length. Eight (or `r`) neighbouring
+/// output pixels of one output row read neighbouring input bytes at a
+/// stride-1 tap, so most rows of a panel are one unaligned word copy.
+pub fn pack_panels(g: &Geometry, [oh, ow]: [usize; 2], x: &[i8], zero: i8, format: &PackedFormat) -> Blob {
+    match format.r {
+        4 => pack_panels_r::<4>(g, [oh, ow], x, zero, format),
+        8 => pack_panels_r::<8>(g, [oh, ow], x, zero, format),
+        16 => pack_panels_r::<16>(g, [oh, ow], x, zero, format),
+        _ => pack_panels_any(g, [oh, ow], x, zero, format),
+    }
+}
+
+fn pack_panels_r<const R: usize>(
+    g: &Geometry,
+    [oh, ow]: [usize; 2],
+    x: &[i8],
+    zero: i8,
+    format: &PackedFormat,
+) -> Blob {
+    let k = g.patch_len();
+    let n = oh * ow;
+    let panel_len = format.single_panel_len(k);
+    let panels = n.div_ceil(R);
+    let mut blob = unsafe { Blob::new_for_size_and_align(panels * panel_len, format.alignment()) };
+    let bytes = blob.as_bytes_mut();
+    let (h, w) = (g.height as isize, g.width as isize);
+    let [sy, sx] = g.strides.map(|s| s as isize);
+    let [dy, dx] = g.dilations.map(|d| d as isize);
+    let (pt, pl) = (g.pads[0] as isize, g.pads[1] as isize);
+    let plane_len = g.height * g.width;
+    let pointwise = g.is_pointwise();
+    // Bytes from here on: the panels hold i8 values as raw bytes.
+    let x: &[u8] = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, x.len()) };
+    let zero = zero as u8;
+    for p in 0..panels {
+        let panel = &mut bytes[p * panel_len..(p + 1) * panel_len];
+        let n0 = p * R;
+        let width = R.min(n - n0);
+        let (oy0, ox0) = ((n0 / ow) as isize, (n0 % ow) as isize);
+        let one_row = (ox0 as usize) + width <= ow;
+        let mut records = panel.chunks_exact_mut(R);
+        for c in 0..g.in_channels {
+            let plane = &x[c * plane_len..(c + 1) * plane_len];
+            if pointwise {
+                let dst = records.next().expect("a record per patch row");
+                copy_run::<R>(dst, &plane[n0..n0 + width]);
+                continue;
+            }
+            for ky in 0..g.kernel[0] as isize {
+                for kx in 0..g.kernel[1] as isize {
+                    let dst = records.next().expect("a record per patch row");
+                    if !one_row {
+                        // A panel that wraps to the next output row: pixel by pixel.
+                        for (j, d) in dst.iter_mut().enumerate().take(width) {
+                            let (oy, ox) = (((n0 + j) / ow) as isize, ((n0 + j) % ow) as isize);
+                            let (iy, ix) = (oy * sy + ky * dy - pt, ox * sx + kx * dx - pl);
+                            *d = if iy < 0 || iy >= h || ix < 0 || ix >= w {
+                                zero
+                            } else {
+                                plane[(iy * w + ix) as usize]
+                            };
+                        }
+                        dst[width..].fill(0);
+                        continue;
+                    }
+                    let iy = oy0 * sy + ky * dy - pt;
+                    if iy < 0 || iy >= h {
+                        dst[..width].fill(zero);
+                        dst[width..].fill(0);
+                        continue;
+                    }
+                    let row = &plane[(iy * w) as usize..((iy + 1) * w) as usize];
+                    let ix0 = ox0 * sx + kx * dx - pl;
+                    if sx == 1 && ix0 >= 0 && ix0 + width as isize <= w {
+                        copy_run::<R>(dst, &row[ix0 as usize..ix0 as usize + width]);
+                    } else {
+                        for (j, d) in dst.iter_mut().enumerate().take(width) {
+                            let ix = ix0 + j as isize * sx;
+                            *d = if ix < 0 || ix >= w { zero } else { row[ix as usize] };
+                        }
+                        dst[width..].fill(0);
+                    }
+                }
+            }
+        }
+        panel[k * R..].fill(0);
+    }
+    blob
+}
+
+/// `src` (at most `R` values) into an `R`-byte record, zero after it: a
+/// single word move when the run is full.
+#[inline(always)]
+fn copy_run<const R: usize>(dst: &mut [u8], src: &[u8]) {
+    if src.len() == R {
+        let dst: &mut [u8; R] = dst.try_into().expect("records are R bytes");
+        *dst = src.try_into().expect("a full run is R bytes");
+    } else {
+        dst[..src.len()].copy_from_slice(src);
+        dst[src.len()..].fill(0);
+    }
+}
+
+/// Any other panel width: through a plain patch matrix.
+fn pack_panels_any(g: &Geometry, [oh, ow]: [usize; 2], x: &[i8], zero: i8, format: &PackedFormat) -> Blob {
+    let (k, n, r) = (g.patch_len(), oh * ow, format.r);
+    let mut plain = vec![0i8; k * n];
+    im2col(g, [oh, ow], x, zero, &mut plain);
+    let panel_len = format.single_panel_len(k);
+    let panels = n.div_ceil(r);
+    let mut blob = unsafe { Blob::new_for_size_and_align(panels * panel_len, format.alignment()) };
+    let bytes = blob.as_bytes_mut();
+    bytes.fill(0);
+    for p in 0..panels {
+        let width = r.min(n - p * r);
+        for kk in 0..k {
+            for j in 0..width {
+                bytes[p * panel_len + kk * r + j] = plain[kk * n + p * r + j] as u8;
+            }
+        }
+    }
+    blob
+}
+
+/// Where each element of the patch matrix lives in the input once it is
+/// widened to i16 and padded (`widen_padded`): row `k` of the patch matrix
+/// reads `plane[row_offsets[k] + column_offsets[n]]`. Built once per op, so
+/// packing an image is loads and stores only, with no bounds checks and no
+/// division.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PatchLayout {
+    pub row_offsets: Vec<usize>,
+    pub column_offsets: Vec<usize>,
+    /// Per panel of `igemm::NR` columns: its columns read consecutive
+    /// elements (one output row, stride 1), so a row of it is one load.
+    pub contiguous: Vec<bool>,
+    pub padded: [usize; 2],
+}
+
+impl PatchLayout {
+    pub fn new(g: &Geometry, panel: usize) -> TractResult<PatchLayout> {
+        let [oh, ow] = g.output_hw()?;
+        let hp = g.height + g.pads[0] + g.pads[2];
+        let wp = g.width + g.pads[1] + g.pads[3];
+        let mut row_offsets = Vec::with_capacity(g.patch_len());
+        for c in 0..g.in_channels {
+            for ky in 0..g.kernel[0] {
+                for kx in 0..g.kernel[1] {
+                    row_offsets.push(c * hp * wp + ky * g.dilations[0] * wp + kx * g.dilations[1]);
+                }
+            }
+        }
+        let column_offsets: Vec<usize> =
+            (0..oh * ow).map(|n| (n / ow) * g.strides[0] * wp + (n % ow) * g.strides[1]).collect();
+        let contiguous = column_offsets
+            .chunks(panel)
+            .map(|cols| cols.len() == panel && cols.windows(2).all(|w| w[1] == w[0] + 1))
+            .collect();
+        Ok(PatchLayout { row_offsets, column_offsets, contiguous, padded: [hp, wp] })
+    }
+}
+
+/// The image as i16 with its zero point subtracted, inside a border of
+/// zeros for the padding (a padded tap then contributes exactly nothing).
+pub fn widen_padded(g: &Geometry, x: &[i8], zero: i32, out: &mut Vec<i16>) {
+    let (hp, wp) = (g.height + g.pads[0] + g.pads[2], g.width + g.pads[1] + g.pads[3]);
+    out.clear();
+    out.resize(g.in_channels * hp * wp, 0);
+    for c in 0..g.in_channels {
+        for y in 0..g.height {
+            let src = &x[(c * g.height + y) * g.width..(c * g.height + y + 1) * g.width];
+            let start = c * hp * wp + (y + g.pads[0]) * wp + g.pads[1];
+            for (d, &s) in out[start..start + g.width].iter_mut().zip(src) {
+                *d = (s as i32 - zero) as i16;
+            }
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The arithmetic every integer op shares: the storage types at an op's
+//! boundary and the requantization of i32 accumulators to 8 bits, rounded
+//! and clamped as onnxruntime (MLAS) and TFLite do it.
+
+use tract_onnx::prelude::*;
+
+/// The 8-bit storage type of a tensor at an op's boundary. Inside, every op
+/// works on i8: a u8 value `v` with zero point `z` is the i8 value `v - 128`
+/// with zero point `z - 128`, which is exact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QType {
+    I8,
+    U8,
+}
+
+impl QType {
+    pub fn of(dt: DatumType) -> Option<QType> {
+        match dt.unquantized() {
+            DatumType::I8 => Some(QType::I8),
+            DatumType::U8 => Some(QType::U8),
+            _ => None,
+        }
+    }
+
+    pub fn datum_type(self) -> DatumType {
+        match self {
+            QType::I8 => DatumType::I8,
+            QType::U8 => DatumType::U8,
+        }
+    }
+
+    /// What to subtract from a stored value (and its zero point) to get i8.
+    pub fn offset(self) -> i32 {
+        match self {
+            QType::I8 => 0,
+            QType::U8 => 128,
+        }
+    }
+
+    /// The stored bytes of `t` as i8 values (a copy only for u8).
+    pub fn to_i8<'a>(self, bytes: &'a [u8]) -> std::borrow::Cow<'a, [i8]> {
+        match self {
+            // Same width and alignment; i8 and u8 share every bit pattern.
+            QType::I8 => std::borrow::Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(bytes.as_ptr() as *const i8, bytes.len())
+            }),
+            QType::U8 => std::borrow::Cow::Owned(bytes.iter().map(|&b| (b ^ 0x80) as i8).collect()),
+        }
+    }
+}
+
+/// Quantization parameters of one tensor: real = (q - zero_point) * scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QParam {
+    pub scale: f32,
+    /// In the stored type's domain (0..=255 for u8).
+    pub zero_point: i32,
+    pub qtype: QType,
+}
+
+impl QParam {
+    /// The zero point in the i8 domain the kernels work in.
+    pub fn zero_i8(&self) -> i32 {
+        self.zero_point - self.qtype.offset()
+    }
+
+    pub fn hash_into<H: std::hash::Hasher>(&self, state: &mut H) {
+        use std::hash::Hash;
+        self.scale.to_bits().hash(state);
+        self.zero_point.hash(state);
+        self.qtype.hash(state);
+    }
+}
+
+/// An activation folded into the output clamp: quantize is monotone, so
+/// `quantize(relu(x)) = max(quantize(x), quantize(0))`, and likewise for the
+/// upper bound of ReLU6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    None,
+    Relu,
+    Relu6,
+}
+
+/// The i8-domain output range `[lo, hi]` and zero point of an output with
+/// `out` parameters after `act`.
+pub fn output_range(out: &QParam, act: Activation) -> (i32, i32) {
+    let z = out.zero_i8();
+    let (mut lo, mut hi) = (-128, 127);
+    if act != Activation::None {
+        lo = lo.max(z);
+    }
+    if act == Activation::Relu6 {
+        hi = hi.min(round_half_even(6.0 / out.scale) as i32 + z);
+    }
+    (lo, hi.max(lo))
+}
+
+/// 1.5 * 2^23: adding and subtracting it rounds an f32 of magnitude below
+/// 2^22 to the nearest integer, ties to even, in the current (default)
+/// rounding mode, as `cvtps2dq` does in MLAS; it vectorises on every target,
+/// where `f32::round_ties_even` is a libm call without SSE4.1.
+const ROUND: f32 = 12_582_912.0;
+
+#[inline(always)]
+pub fn round_half_even(v: f32) -> f32 {
+    (v + ROUND) - ROUND
+}
+
+/// One output row (one output channel): `out[i] = clamp(round((acc[i] +
+/// bias) * scale) + zero, lo, hi)`, the clamp applied in float before the
+/// rounding as MLAS does (the same result, and it keeps the rounding in
+/// range). Eight at a time with AVX2 (`cvtps2dq` rounds half to even in
+/// the default mode), the rest one by one.
+#[inline]
+pub fn requantize_row(acc: &[i32], bias: i32, scale: f32, zero: i32, lo: i32, hi: i32, out: &mut [i8]) {
+    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if acc.len() >= 8 && super::igemm::avx2() {
+        done = unsafe { requantize_avx2(acc, bias, scale, zero, lo_f, hi_f, out) };
+    }
+    for (o, &a) in out[done..].iter_mut().zip(&acc[done..]) {
+        let v = ((a.wrapping_add(bias)) as f32 * scale).max(lo_f).min(hi_f);
+        *o = (round_half_even(v) as i32 + zero) as i8;
+    }
+}
+
+/// Returns how many leading values it wrote (a multiple of 8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn requantize_avx2(
+    acc: &[i32],
+    bias: i32,
+    scale: f32,
+    zero: i32,
+    lo_f: f32,
+    hi_f: f32,
+    out: &mut [i8],
+) -> usize {
+    use std::arch::x86_64::*;
+    let n = acc.len().min(out.len()) / 8 * 8;
+    unsafe {
+        let (vb, vs, vz) = (_mm256_set1_epi32(bias), _mm256_set1_ps(scale), _mm256_set1_epi32(zero));
+        let (vlo, vhi) = (_mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f));
+        for i in (0..n).step_by(8) {
+            let a = _mm256_add_epi32(_mm256_loadu_si256(acc.as_ptr().add(i) as *const __m256i), vb);
+            let v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), vs), vlo), vhi);
+            let q = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
+            // Already in [-128, 127]: the packs do not saturate anything.
+            let w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            let b = _mm_packs_epi16(w, w);
+            _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, b);
+        }
+    }
+    n
+}
+
+/// i8-domain values back to the stored type, in place.
+pub fn store(qtype: QType, data: &mut [i8]) {
+    if qtype == QType::U8 {
+        for v in data {
+            *v ^= -128;
+        }
+    }
+}
+
+/// A tensor of `shape` holding i8-domain `data`, stored as `qtype`.
+pub fn tensor(qtype: QType, shape: &[usize], mut data: Vec<i8>) -> TractResult<Tensor> {
+    store(qtype, &mut data);
+    let mut t = Tensor::from_shape(shape, &data)?;
+    if qtype == QType::U8 {
+        // Same bytes; only the declared type differs.
+        unsafe { t.set_datum_type(DatumType::U8) };
+    }
+    Ok(t)
+}
+
+/// The stored bytes of a plain 8-bit tensor.
+pub fn bytes_of(t: &Tensor) -> TractResult<&[u8]> {
+    Ok(t.try_as_plain_ram()?.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_half_to_even_like_cvtps2dq() {
+        for (v, r) in
+            [(0.5, 0.0), (1.5, 2.0), (2.5, 2.0), (-0.5, 0.0), (-1.5, -2.0), (3.49, 3.0), (-3.51, -4.0)]
+        {
+            assert_eq!(round_half_even(v), r, "{v}");
+        }
+    }
+
+    #[test]
+    fn relu_and_relu6_become_the_clamp() {
+        let out = QParam { scale: 0.05, zero_point: -100, qtype: QType::I8 };
+        assert_eq!(output_range(&out, Activation::None), (-128, 127));
+        assert_eq!(output_range(&out, Activation::Relu), (-100, 127));
+        // 6 / 0.05 = 120 steps above the zero point.
+        assert_eq!(output_range(&out, Activation::Relu6), (-100, 20));
+        let u = QParam { scale: 0.1, zero_point: 10, qtype: QType::U8 };
+        assert_eq!(output_range(&u, Activation::Relu), (10 - 128, 127));
+    }
+
+    #[test]
+    fn requantize_clamps_and_rounds_per_row() {
+        let mut out = [0i8; 5];
+        requantize_row(&[10, 15, -1000, 1000, 25], 0, 0.1, 3, -128, 127, &mut out);
+        // 1.0, 1.5 -> 2 (even), -100 -> clamp, 100 -> 103, 2.5 -> 2
+        assert_eq!(out, [4, 5, -97, 103, 5]);
+        requantize_row(&[10, 15, -1000, 1000, 25], 5, 0.1, 3, 0, 50, &mut out);
+        assert_eq!(out, [5, 5, 0, 50, 6]);
+    }
+}

@@ -1,0 +1,208 @@
+//! Every integer op against a scalar reference written from the ONNX
+//! definitions (dequantize, compute exactly, quantize with round-half-even
+//! and saturation), bit-exact, over random shapes, strides, paddings,
+//! dilations, zero points and per-channel scales.
+
+use super::add::QAdd;
+use super::conv::{ConvSpec, Geometry, QConv};
+use super::dense::{DenseSpec, QDense};
+use super::pool::QGlobalAvgPool;
+use super::requant::{Activation, QParam, QType, output_range};
+use proptest::prelude::*;
+
+/// Quantizes an exact accumulator with the per-channel multiplier, as
+/// `QuantizeLinear` after the float op would, with the activation clamp.
+fn quantize(acc: i64, multiplier: f32, out: &QParam, activation: Activation) -> i8 {
+    let (lo, hi) = output_range(out, activation);
+    let z = out.zero_i8();
+    let v = (acc as f32 * multiplier).round_ties_even() as i64 + z as i64;
+    v.clamp(lo as i64, hi as i64) as i8
+}
+
+fn per<T: Copy>(v: &[T], c: usize) -> T {
+    if v.len() == 1 { v[0] } else { v[c] }
+}
+
+fn conv_reference(s: &ConvSpec, x: &[i8], images: usize) -> Vec<i8> {
+    let g = &s.geometry;
+    let [oh, ow] = g.output_hw().unwrap();
+    let zx = s.input.zero_i8() as i64;
+    let mut out = Vec::new();
+    for n in 0..images {
+        for co in 0..g.out_channels {
+            let zw = per(&s.weight_zero, co) as i64;
+            let m = s.input.scale * per(&s.weight_scale, co) / s.output.scale;
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = per(&s.bias, co) as i64;
+                    for ci in 0..g.in_channels {
+                        for ky in 0..g.kernel[0] {
+                            for kx in 0..g.kernel[1] {
+                                let iy = (oy * g.strides[0] + ky * g.dilations[0]) as i64 - g.pads[0] as i64;
+                                let ix = (ox * g.strides[1] + kx * g.dilations[1]) as i64 - g.pads[1] as i64;
+                                if iy < 0 || ix < 0 || iy >= g.height as i64 || ix >= g.width as i64 {
+                                    continue; // padding is the real zero
+                                }
+                                let xv = x[((n * g.in_channels + ci) * g.height + iy as usize) * g.width
+                                    + ix as usize];
+                                let wv = s.weights
+                                    [((co * g.in_channels + ci) * g.kernel[0] + ky) * g.kernel[1] + kx];
+                                acc += (xv as i64 - zx) * (wv as i64 - zw);
+                            }
+                        }
+                    }
+                    out.push(quantize(acc, m, &s.output, s.activation));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn qparam() -> impl Strategy<Value = QParam> {
+    (0.002f32..0.5, any::<i8>(), prop_oneof![Just(QType::I8), Just(QType::U8)])
+        .prop_map(|(scale, z, qtype)| QParam { scale, zero_point: z as i32 + qtype.offset(), qtype })
+}
+
+fn activation() -> impl Strategy<Value = Activation> {
+    prop_oneof![Just(Activation::None), Just(Activation::Relu), Just(Activation::Relu6)]
+}
+
+/// Per-channel values, or one for all.
+fn channels<T: std::fmt::Debug + Clone>(
+    s: impl Strategy<Value = T> + Clone,
+    n: usize,
+) -> impl Strategy<Value = Vec<T>> {
+    prop_oneof![prop::collection::vec(s.clone(), 1), prop::collection::vec(s, n)]
+}
+
+fn geometry() -> impl Strategy<Value = Geometry> {
+    (
+        prop_oneof![1usize..5, Just(8usize)],
+        1usize..19,
+        1usize..11,
+        prop_oneof![1usize..11, 16usize..40],
+        [1usize..4, 1usize..4],
+        [1usize..3, 1usize..3],
+        [1usize..3, 1usize..3],
+        [0usize..3, 0usize..3, 0usize..3, 0usize..3],
+    )
+        .prop_map(|(ci, co, h, w, kernel, strides, dilations, pads)| Geometry {
+            in_channels: ci,
+            out_channels: co,
+            height: h,
+            width: w,
+            kernel,
+            strides,
+            dilations,
+            pads,
+        })
+        .prop_filter("window inside the padded input", |g| g.output_hw().is_ok())
+}
+
+fn conv_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
+    (geometry(), 1usize..3).prop_flat_map(|(g, images)| {
+        let k = g.patch_len();
+        let co = g.out_channels;
+        let zero_weights = prop_oneof![Just(vec![0]), channels(-20i32..20, co)];
+        (
+            qparam(),
+            qparam(),
+            prop::collection::vec(any::<i8>(), co * k),
+            zero_weights,
+            channels(0.001f32..0.05, co),
+            channels(-20_000i32..20_000, co),
+            activation(),
+            prop::collection::vec(any::<i8>(), images * g.in_channels * g.height * g.width),
+        )
+            .prop_map(
+                move |(input, output, weights, weight_zero, weight_scale, bias, activation, x)| {
+                    (
+                        ConvSpec {
+                            geometry: g,
+                            input,
+                            output,
+                            weights,
+                            weight_zero,
+                            weight_scale,
+                            bias,
+                            activation,
+                        },
+                        x,
+                        images,
+                    )
+                },
+            )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn qconv_is_bit_exact((spec, x, images) in conv_case()) {
+        let want = conv_reference(&spec, &x, images);
+        let got = QConv::new(spec.clone()).unwrap().run(&x, images).unwrap();
+        prop_assert_eq!(&got, &want, "{:?}", spec.geometry);
+        let tract = QConv::on_tract_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
+        prop_assert_eq!(tract, want, "tract kernels, {:?}", spec.geometry);
+    }
+
+    #[test]
+    fn qdense_is_bit_exact(
+        (k, m, rows) in (1usize..70, 1usize..40, 1usize..9),
+        input in qparam(), output in qparam(), activation in activation(),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let weights: Vec<i8> = (0..m * k).map(|_| rng.i8(..)).collect();
+        let weight_zero = if rng.bool() { vec![0] } else { (0..m).map(|_| rng.i32(-10..10)).collect() };
+        let weight_scale: Vec<f32> = (0..m).map(|_| rng.f32() * 0.05 + 0.001).collect();
+        let bias: Vec<i32> = (0..m).map(|_| rng.i32(-9000..9000)).collect();
+        let x: Vec<i8> = (0..rows * k).map(|_| rng.i8(..)).collect();
+        let spec = DenseSpec { inputs: k, outputs: m, input, output, weights, weight_zero, weight_scale, bias, activation };
+        let zx = input.zero_i8() as i64;
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for c in 0..m {
+                let zw = per(&spec.weight_zero, c) as i64;
+                let acc = spec.bias[c] as i64
+                    + (0..k).map(|i| (x[r * k + i] as i64 - zx) * (spec.weights[c * k + i] as i64 - zw)).sum::<i64>();
+                want.push(quantize(acc, input.scale * spec.weight_scale[c] / output.scale, &output, activation));
+            }
+        }
+        let got = QDense::new(spec.clone()).unwrap().run(&x, rows).unwrap();
+        prop_assert_eq!(&got, &want);
+        prop_assert_eq!(QDense::on_tract_kernels(spec).unwrap().run(&x, rows).unwrap(), want, "tract kernels");
+    }
+
+    #[test]
+    fn qadd_is_bit_exact(a in qparam(), b in qparam(), output in qparam(), activation in activation(),
+                         xs in prop::collection::vec((any::<i8>(), any::<i8>()), 1..200)) {
+        let op = QAdd { a, b, output, activation };
+        let (xa, xb): (Vec<i8>, Vec<i8>) = xs.iter().copied().unzip();
+        let (lo, hi) = output_range(&output, activation);
+        let want: Vec<i8> = xs.iter().map(|&(p, q)| {
+            let v = (p as i32 - a.zero_i8()) as f32 * (a.scale / output.scale)
+                + (q as i32 - b.zero_i8()) as f32 * (b.scale / output.scale);
+            ((v.round_ties_even() as i64 + output.zero_i8() as i64).clamp(lo as i64, hi as i64)) as i8
+        }).collect();
+        prop_assert_eq!(op.run(&xa, &xb), want);
+    }
+
+    #[test]
+    fn qglobal_avg_pool_is_bit_exact(input in qparam(), output in qparam(), plane in 1usize..100, planes in 1usize..6, seed in any::<u64>()) {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let x: Vec<i8> = (0..plane * planes).map(|_| rng.i8(..)).collect();
+        // Dequantize, average in f32, quantize: the float graph onnxruntime runs.
+        let want: Vec<i8> = x.chunks(plane).map(|p| {
+            let mut sum = 0f32;
+            for &v in p {
+                sum += (v as i32 - input.zero_i8()) as f32 * input.scale;
+            }
+            let v = (sum / plane as f32 / output.scale).round_ties_even();
+            (v as i64 + output.zero_i8() as i64).clamp(-128, 127) as i8
+        }).collect();
+        prop_assert_eq!(QGlobalAvgPool { input, output }.run(&x, plane), want);
+    }
+}
