@@ -5,7 +5,7 @@
 use super::conv::{multipliers, per};
 use super::gemm::Weights;
 use super::igemm;
-use super::requant::{self, Activation, QParam, output_range, requantize_row};
+use super::requant::{self, Activation, QParam, output_range, requantize_row, round_half_even};
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
@@ -23,6 +23,45 @@ pub struct DenseSpec {
     /// In accumulator units, per output.
     pub bias: Vec<i32>,
     pub activation: Activation,
+    /// A float bias added after the product was quantized (QLinearMatMul ->
+    /// DequantizeLinear -> Add), then either quantized again or left f32.
+    pub tail: Option<FloatTail>,
+}
+
+/// What a QOperator export does after QLinearMatMul, folded into the op so
+/// it is one pass instead of three to five tract nodes: `v = (t - zt) * st
+/// + bias[c]` in f32 for each quantized product `t` (in `output`), then
+/// `quantize(activation(v))` with `requantize`, or `v` itself when `None`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FloatTail {
+    pub bias: Vec<f32>,
+    pub requantize: Option<(Activation, QParam)>,
+}
+
+impl FloatTail {
+    /// The dequantized sums plus bias, `rows x outputs`.
+    fn biased(&self, t: &[i8], mid: &QParam, outputs: usize) -> Vec<f32> {
+        let z = mid.zero_i8();
+        t.chunks(outputs.max(1))
+            .flat_map(|row| {
+                row.iter()
+                    .enumerate()
+                    .map(move |(c, &v)| (v as i32 - z) as f32 * mid.scale + per(&self.bias, c))
+            })
+            .collect()
+    }
+
+    /// `quantize(activation(v))`, ONNX QuantizeLinear: `round(v / scale) + zero`.
+    fn quantize(v: &[f32], activation: Activation, out: &QParam) -> Vec<i8> {
+        let (lo, hi) = output_range(out, activation);
+        let z = out.zero_i8();
+        v.iter()
+            .map(|&v| {
+                let q = (v / out.scale).max((lo - z) as f32).min((hi - z) as f32);
+                (round_half_even(q) as i32 + z) as i8
+            })
+            .collect()
+    }
 }
 
 /// Where the product runs (see `QConv`): our kernel with the weights as
@@ -173,7 +212,20 @@ impl EvalOp for QDense {
         let rows = input.shape()[0];
         let x = self.spec.input.qtype.to_i8(requant::bytes_of(input)?);
         let y = self.run(&x, rows)?;
-        Ok(tvec!(requant::tensor(self.spec.output.qtype, &[rows, self.spec.outputs], y)?.into_tvalue()))
+        let shape = [rows, self.spec.outputs];
+        let out = match &self.spec.tail {
+            None => requant::tensor(self.spec.output.qtype, &shape, y)?,
+            Some(tail) => {
+                let v = tail.biased(&y, &self.spec.output, self.spec.outputs);
+                match &tail.requantize {
+                    Some((activation, out)) => {
+                        requant::tensor(out.qtype, &shape, FloatTail::quantize(&v, *activation, out))?
+                    }
+                    None => Tensor::from_shape(&shape, &v)?,
+                }
+            }
+        };
+        Ok(tvec!(out.into_tvalue()))
     }
 }
 
@@ -185,10 +237,33 @@ impl TypedOp for QDense {
             "QDense expects [N, {}], got {shape:?}",
             self.spec.inputs
         );
-        Ok(tvec!(
-            self.spec.output.qtype.datum_type().fact(tvec![shape[0].clone(), self.spec.outputs.to_dim()])
-        ))
+        let dt = match &self.spec.tail {
+            None => self.spec.output.qtype.datum_type(),
+            Some(FloatTail { requantize: Some((_, out)), .. }) => out.qtype.datum_type(),
+            Some(FloatTail { requantize: None, .. }) => DatumType::F32,
+        };
+        Ok(tvec!(dt.fact(tvec![shape[0].clone(), self.spec.outputs.to_dim()])))
     }
 
     as_op!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::requant::QType;
+
+    #[test]
+    fn the_float_tail_dequantizes_adds_the_bias_and_quantizes_again() {
+        let mid = QParam { scale: 0.5, zero_point: 100, qtype: QType::U8 };
+        let t: Vec<i8> = [100u8, 104, 90, 255].iter().map(|&v| (v ^ 0x80) as i8).collect();
+        let tail = FloatTail { bias: vec![0.25, -1.0], requantize: None };
+        // (t - 100) * 0.5 + bias, per column of two outputs.
+        assert_eq!(tail.biased(&t, &mid, 2), vec![0.25, 1.0, -4.75, 76.5]);
+        let out = QParam { scale: 0.5, zero_point: 0, qtype: QType::U8 };
+        // relu, then round(v / 0.5): 0.5 -> 0 (ties to even), 2, 0, 153.
+        let q = FloatTail::quantize(&[0.25, 1.0, -4.75, 76.5], Activation::Relu, &out);
+        let stored: Vec<u8> = q.iter().map(|&v| (v as u8) ^ 0x80).collect();
+        assert_eq!(stored, vec![0, 2, 0, 153]);
+    }
 }

@@ -89,33 +89,15 @@ impl Right {
     /// columns are contiguous, a gather elsewhere.
     pub fn pack_patches(&mut self, plane: &[i16], layout: &PatchLayout) {
         let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
-        let k2 = k.div_ceil(2);
-        let panels = cols.div_ceil(NR);
         self.cols = cols;
         self.k = k;
-        self.data.clear();
-        self.data.resize(panels * k2 * NR, 0);
-        let avx2 = avx2();
-        for p in 0..panels {
-            let columns = &layout.column_offsets[p * NR..cols.min((p + 1) * NR)];
-            let panel = &mut self.data[p * k2 * NR..(p + 1) * k2 * NR];
-            for (kp, out) in panel.chunks_exact_mut(NR).enumerate() {
-                let r0 = layout.row_offsets[2 * kp];
-                let r1 = layout.row_offsets.get(2 * kp + 1).copied();
-                #[cfg(target_arch = "x86_64")]
-                if avx2 && layout.contiguous[p] {
-                    let start = |r: usize| &plane[r + columns[0]..r + columns[0] + NR];
-                    let second = r1.map(start);
-                    unsafe { interleave_avx2(out, start(r0), second) };
-                    continue;
-                }
-                let _ = avx2;
-                for (o, &col) in out.iter_mut().zip(columns) {
-                    let hi = r1.map(|r| plane[r + col]).unwrap_or(0);
-                    *o = pair(plane[r0 + col] as i32, hi as i32);
-                }
-            }
+        // Every word is written below: no need to clear what is reused.
+        self.data.resize(cols.div_ceil(NR) * k.div_ceil(2) * NR, 0);
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            return unsafe { pack_patches_avx2(&mut self.data, plane, layout) };
         }
+        pack_patches_portable(&mut self.data, plane, layout, 0..cols.div_ceil(NR));
     }
 
     fn panel(&self, p: usize) -> &[u32] {
@@ -176,11 +158,58 @@ fn portable_tile(a: &[u32], b: &[u32], k2: usize, mr: usize, tile: &mut [i32]) {
     }
 }
 
+/// Panels `panels` of the patch matrix, one column at a time.
+fn pack_patches_portable(
+    data: &mut [u32],
+    plane: &[i16],
+    layout: &PatchLayout,
+    panels: std::ops::Range<usize>,
+) {
+    let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
+    let k2 = k.div_ceil(2);
+    for p in panels {
+        let columns = &layout.column_offsets[p * NR..cols.min((p + 1) * NR)];
+        let panel = &mut data[p * k2 * NR..(p + 1) * k2 * NR];
+        for (kp, out) in panel.chunks_exact_mut(NR).enumerate() {
+            let r0 = layout.row_offsets[2 * kp];
+            let r1 = layout.row_offsets.get(2 * kp + 1).copied();
+            for (o, &col) in out.iter_mut().zip(columns) {
+                let hi = r1.map(|r| plane[r + col]).unwrap_or(0);
+                *o = pair(plane[r0 + col] as i32, hi as i32);
+            }
+            out[columns.len()..].fill(0);
+        }
+    }
+}
+
+/// The contiguous panels with two loads and an interleave per pair of
+/// rows (inlined here, where AVX2 is enabled), the others portably.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pack_patches_avx2(data: &mut [u32], plane: &[i16], layout: &PatchLayout) {
+    let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
+    let k2 = k.div_ceil(2);
+    for p in 0..cols.div_ceil(NR) {
+        if !layout.contiguous[p] {
+            pack_patches_portable(data, plane, layout, p..p + 1);
+            continue;
+        }
+        let first = layout.column_offsets[p * NR];
+        let panel = &mut data[p * k2 * NR..(p + 1) * k2 * NR];
+        for (kp, out) in panel.chunks_exact_mut(NR).enumerate() {
+            let a = &plane[layout.row_offsets[2 * kp] + first..][..NR];
+            let b = layout.row_offsets.get(2 * kp + 1).map(|&r| &plane[r + first..][..NR]);
+            unsafe { interleave_avx2(out, a, b) };
+        }
+    }
+}
+
 /// `out[j] = a[j] | b[j] << 16` for 16 columns: unpack the two rows' i16
 /// lanes (which interleaves within each 128-bit half) and put the halves
 /// back in column order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
+#[inline]
 unsafe fn interleave_avx2(out: &mut [u32], a: &[i16], b: Option<&[i16]>) {
     use std::arch::x86_64::*;
     assert!(out.len() >= NR && a.len() >= NR && b.is_none_or(|b| b.len() >= NR));

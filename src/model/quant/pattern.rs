@@ -8,7 +8,7 @@
 
 use super::add::QAdd;
 use super::conv::{ConvSpec, Geometry};
-use super::dense::DenseSpec;
+use super::dense::{DenseSpec, FloatTail};
 use super::pool::QGlobalAvgPool;
 use super::requant::{Activation, QParam, QType, round_half_even};
 use std::collections::HashMap;
@@ -286,6 +286,7 @@ impl<'g> Graph<'g> {
             weight_scale,
             bias,
             activation,
+            tail: None,
         };
         Some((vec![x], q, Fusion::Dense(spec)))
     }
@@ -298,18 +299,49 @@ impl<'g> Graph<'g> {
         let dq = Dequantize { input: "", scale: c(4)?.clone(), zero: c(5).cloned(), axis: 0 };
         let transposed = weights.clone().permute_axes(&[1, 0]).ok()?;
         let (values, zero) = weight_values(&transposed, dq.zero.as_ref(), &dq, m)?;
+        let output = qparam(c(6)?, c(7))?;
+        let (tail, end) = match self.float_tail(node.output.first()?, &output, m) {
+            Some((tail, end)) => (Some(tail), end),
+            None => (None, node.output.first()?.clone()),
+        };
         let spec = DenseSpec {
             inputs: k,
             outputs: m,
             input,
-            output: qparam(c(6)?, c(7))?,
+            output,
             weights: values,
             weight_zero: zero,
             weight_scale: per_channel(&dq.scale, m)?,
             bias: vec![0],
             activation: Activation::None,
+            tail,
         };
-        Some((vec![node.input.first()?.clone()], node.output.first()?.clone(), Fusion::Dense(spec)))
+        Some((vec![node.input.first()?.clone()], end, Fusion::Dense(spec)))
+    }
+
+    /// After a QLinearMatMul producing `name` with `params`: DequantizeLinear
+    /// (same parameters) -> Add(constant float bias), then the usual tail
+    /// to a QuantizeLinear, or nothing (a float result, e.g. the logits
+    /// before a Softmax). Returns the tail and the tensor it ends at.
+    fn float_tail(&self, name: &str, params: &QParam, outputs: usize) -> Option<(FloatTail, String)> {
+        let dq = self.only_consumer(name).filter(|n| n.op_type == "DequantizeLinear")?;
+        let c = |i: usize| dq.input.get(i).and_then(|n| self.constant(n));
+        if qparam(c(1)?, c(2)).as_ref() != Some(params) {
+            return None;
+        }
+        let dequantized = dq.output.first()?;
+        let add = self.only_consumer(dequantized).filter(|n| n.op_type == "Add")?;
+        let other = add.input.iter().find(|i| *i != dequantized)?;
+        let bias = self.constant(other)?.cast_to::<f32>().ok()?;
+        let bias = bias.try_as_plain_ram().ok()?.as_slice::<f32>().ok()?.to_vec();
+        if bias.len() != outputs && bias.len() != 1 {
+            return None;
+        }
+        let sum = add.output.first()?;
+        Some(match self.tail(sum) {
+            Some((activation, out, q)) => (FloatTail { bias, requantize: Some((activation, out)) }, q),
+            None => (FloatTail { bias, requantize: None }, sum.clone()),
+        })
     }
 
     fn add(&self, node: &'g NodeProto) -> Option<Match> {

@@ -160,7 +160,7 @@ proptest! {
         let weight_scale: Vec<f32> = (0..m).map(|_| rng.f32() * 0.05 + 0.001).collect();
         let bias: Vec<i32> = (0..m).map(|_| rng.i32(-9000..9000)).collect();
         let x: Vec<i8> = (0..rows * k).map(|_| rng.i8(..)).collect();
-        let spec = DenseSpec { inputs: k, outputs: m, input, output, weights, weight_zero, weight_scale, bias, activation };
+        let spec = DenseSpec { inputs: k, outputs: m, input, output, weights, weight_zero, weight_scale, bias, activation, tail: None };
         let zx = input.zero_i8() as i64;
         let mut want = Vec::new();
         for r in 0..rows {
