@@ -22,6 +22,7 @@ impl QAdd {
         let (lo, hi) = output_range(&self.output, self.activation);
         let (lo_f, hi_f) = ((lo - zy) as f32, (hi - zy) as f32);
         let mut out = vec![0i8; a.len().min(b.len())];
+        #[allow(unused_mut)] // assigned only on x86-64
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
         if super::igemm::avx2() {

@@ -115,6 +115,7 @@ pub fn round_half_even(v: f32) -> f32 {
 #[inline]
 pub fn requantize_row(acc: &[i32], bias: i32, scale: f32, zero: i32, lo: i32, hi: i32, out: &mut [i8]) {
     let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
+    #[allow(unused_mut)] // assigned only on x86-64
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if acc.len() >= 8 && super::igemm::avx2() {
