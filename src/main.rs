@@ -332,12 +332,12 @@ fn run(cli: Cli) -> Result<i32> {
             let nodes = m.profile(batch, iterations)?;
             let total: f64 = nodes.iter().map(|n| n.per_run.as_secs_f64()).sum();
             println!(
-                "{} {}: batch {batch}, {:.1} us per run over {} nodes ({} kernels); slowest first:",
+                "{} {}: batch {batch}, {:.1} us per run over {} nodes; kernels: {}; slowest first:",
                 m.name(),
                 m.version(),
                 total * 1e6,
                 nodes.len(),
-                m.kernels.kind()
+                m.kernels.summary()
             );
             for n in nodes.iter().take(top) {
                 let us = n.per_run.as_secs_f64() * 1e6;

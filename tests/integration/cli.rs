@@ -131,3 +131,12 @@ fn help_and_version() {
         format!("edgeinfer {}", env!("CARGO_PKG_VERSION"))
     );
 }
+
+#[test]
+fn models_profile_reports_kernels_and_our_integer_ops_by_node() {
+    let out = edgeinfer(&["models", "profile", "digits", "--iterations", "5"], None, &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("kernels: integer (2 on edgeinfer integer ops, 0 on tract"), "{text}");
+    assert_eq!(text.matches("edgeinfer.QDense").count(), 2, "{text}");
+}

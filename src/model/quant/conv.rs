@@ -9,7 +9,7 @@
 use super::gemm::Weights;
 use super::igemm;
 use super::patches::{PatchLayout, im2col, pack_panels, widen_padded};
-use super::requant::{self, Activation, QParam, output_range, requantize_row};
+use super::requant::{self, Activation, QParam, output_range, per, requantize_row};
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
@@ -78,11 +78,6 @@ pub fn multipliers(input: &QParam, weight_scale: &[f32], output: &QParam, channe
     (0..channels).map(|c| input.scale * per(weight_scale, c) / output.scale).collect()
 }
 
-/// Element `c` of a per-channel vector, or its only element.
-pub fn per<T: Copy>(v: &[T], c: usize) -> T {
-    if v.len() == 1 { v[0] } else { v[c] }
-}
-
 /// Where the products run: our AVX2 kernel (`igemm`) on x86-64 hosts that
 /// have it, tract-linalg's integer kernels elsewhere (arm64 NEON/SDOT, VNNI).
 #[derive(Debug, Clone)]
@@ -128,11 +123,7 @@ impl QConv {
         let zx = spec.input.zero_i8();
         let (backend, offsets) = if tract {
             let weights = Weights::new(&spec.weights, g.out_channels, k, Some(oh * ow))?;
-            let offsets = (0..g.out_channels)
-                .map(|c| {
-                    per(&spec.bias, c) - zx * weights.row_sums[c] + k as i32 * zx * per(&spec.weight_zero, c)
-                })
-                .collect();
+            let offsets = weights.offsets(&spec.bias, &spec.weight_zero, zx);
             (Backend::Tract(Arc::new(weights)), offsets)
         } else {
             let left = igemm::Left::pack(&spec.weights, g.out_channels, k, 4, |c| per(&spec.weight_zero, c));

@@ -2,10 +2,10 @@
 //! `[rows, in] x [in, out]` as one product on tract-linalg's integer
 //! kernels with the requantization of `QConv`.
 
-use super::conv::{multipliers, per};
+use super::conv::multipliers;
 use super::gemm::Weights;
 use super::igemm;
-use super::requant::{self, Activation, QParam, output_range, requantize_row, round_half_even};
+use super::requant::{self, Activation, QParam, output_range, per, requantize_one, round_half_even};
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
@@ -103,11 +103,7 @@ impl QDense {
         let zx = spec.input.zero_i8();
         let (backend, offsets) = if tract {
             let weights = Weights::new(&spec.weights, m, k, Some(1))?;
-            let offsets = (0..m)
-                .map(|c| {
-                    per(&spec.bias, c) - zx * weights.row_sums[c] + k as i32 * zx * per(&spec.weight_zero, c)
-                })
-                .collect();
+            let offsets = weights.offsets(&spec.bias, &spec.weight_zero, zx);
             (Backend::Tract(Arc::new(weights)), offsets)
         } else {
             let right = igemm::Right::pack_transposed(&spec.weights, m, k, |c| per(&spec.weight_zero, c));
@@ -135,6 +131,7 @@ impl QDense {
         anyhow::ensure!(x.len() == rows * k, "QDense: input of {} values for {rows} rows of {k}", x.len());
         let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
         let zy = self.spec.output.zero_i8();
+        let (lo_f, hi_f) = ((lo - zy) as f32, (hi - zy) as f32);
         let mut out = vec![0i8; rows * m];
         match &self.backend {
             Backend::Ours(right) => {
@@ -146,10 +143,14 @@ impl QDense {
                         let y = &mut out[(r0 + i) * m + c0..(r0 + i) * m + c0 + width];
                         for (j, y) in y.iter_mut().enumerate() {
                             let c = c0 + j;
-                            let mut one = [0i8];
-                            let sum = [tile[i * igemm::NR + j]];
-                            requantize_row(&sum, self.offsets[c], self.multipliers[c], zy, lo, hi, &mut one);
-                            *y = one[0];
+                            *y = requantize_one(
+                                tile[i * igemm::NR + j],
+                                self.offsets[c],
+                                self.multipliers[c],
+                                zy,
+                                lo_f,
+                                hi_f,
+                            );
                         }
                     }
                 });
@@ -165,16 +166,8 @@ impl QDense {
                     let row_sum: i32 =
                         if corrects { x[r * k..(r + 1) * k].iter().map(|&v| v as i32).sum() } else { 0 };
                     for c in 0..m {
-                        let sum = [a[c] - per(&self.spec.weight_zero, c) * row_sum];
-                        requantize_row(
-                            &sum,
-                            self.offsets[c],
-                            self.multipliers[c],
-                            zy,
-                            lo,
-                            hi,
-                            &mut y[c..c + 1],
-                        );
+                        let sum = a[c] - per(&self.spec.weight_zero, c) * row_sum;
+                        y[c] = requantize_one(sum, self.offsets[c], self.multipliers[c], zy, lo_f, hi_f);
                     }
                 }
             }

@@ -3,6 +3,7 @@
 //! host), with the weights packed once at load and the activations packed
 //! per run, straight into the kernel's panel layout where we know it.
 
+use super::requant::per;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::tract_linalg::WeightType;
 use tract_onnx::tract_core::tract_linalg::mmm::{
@@ -20,7 +21,7 @@ pub struct Weights {
     pub m: usize,
     pub k: usize,
     /// Sum of each row, for the activation zero-point correction.
-    pub row_sums: Vec<i32>,
+    row_sums: Vec<i32>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -51,6 +52,16 @@ impl Weights {
         let a = mmm.packings()[packing].0.prepare_one(&t, 1, 0)?;
         let row_sums = w.chunks(k.max(1)).map(|r| r.iter().map(|&v| v as i32).sum()).collect();
         Ok(Weights { mmm, packing, a, m, k, row_sums })
+    }
+
+    /// What to add to each row's raw sum so it equals the sum over
+    /// `(x - zx) * (w - zw)`: `bias - zx * sum(w) + k * zx * zw`. tract's
+    /// kernels multiply raw stored values; the `- zw * sum(x)` term, when a
+    /// weight zero point is not 0, is the caller's (it depends on x).
+    pub fn offsets(&self, bias: &[i32], weight_zero: &[i32], zx: i32) -> Vec<i32> {
+        (0..self.m)
+            .map(|c| per(bias, c) - zx * self.row_sums[c] + self.k as i32 * zx * per(weight_zero, c))
+            .collect()
     }
 
     pub fn kernel_name(&self) -> String {

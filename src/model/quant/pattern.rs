@@ -406,8 +406,8 @@ impl<'g> Graph<'g> {
         Some(
             (0..channels)
                 .map(|c| {
-                    let acc_scale = input.scale as f64 * super::conv::per(weight_scale, c) as f64;
-                    let real = values[c] * super::conv::per(&scale, c) as f64;
+                    let acc_scale = input.scale as f64 * super::requant::per(weight_scale, c) as f64;
+                    let real = values[c] * super::requant::per(&scale, c) as f64;
                     let units = real / acc_scale;
                     // Exactly the stored integer when the scales agree (the norm).
                     if (units - units.round()).abs() < 1e-3 {

@@ -72,6 +72,11 @@ impl QParam {
     }
 }
 
+/// Element `c` of a per-channel vector, or its only element.
+pub fn per<T: Copy>(v: &[T], c: usize) -> T {
+    if v.len() == 1 { v[0] } else { v[c] }
+}
+
 /// An activation folded into the output clamp: quantize is monotone, so
 /// `quantize(relu(x)) = max(quantize(x), quantize(0))`, and likewise for the
 /// upper bound of ReLU6.
@@ -122,9 +127,16 @@ pub fn requantize_row(acc: &[i32], bias: i32, scale: f32, zero: i32, lo: i32, hi
         done = unsafe { requantize_avx2(acc, bias, scale, zero, lo_f, hi_f, out) };
     }
     for (o, &a) in out[done..].iter_mut().zip(&acc[done..]) {
-        let v = ((a.wrapping_add(bias)) as f32 * scale).max(lo_f).min(hi_f);
-        *o = (round_half_even(v) as i32 + zero) as i8;
+        *o = requantize_one(a, bias, scale, zero, lo_f, hi_f);
     }
+}
+
+/// One value of `requantize_row`, with the clamp bounds `lo - zero` and
+/// `hi - zero` as f32.
+#[inline(always)]
+pub fn requantize_one(acc: i32, bias: i32, scale: f32, zero: i32, lo_f: f32, hi_f: f32) -> i8 {
+    let v = (acc.wrapping_add(bias) as f32 * scale).max(lo_f).min(hi_f);
+    (round_half_even(v) as i32 + zero) as i8
 }
 
 /// Returns how many leading values it wrote (a multiple of 8).
