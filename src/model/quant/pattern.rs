@@ -183,19 +183,18 @@ impl<'g> Graph<'g> {
         let weights = self.constant(w.input)?;
         let (activation, output, q) = self.tail(node.output.first()?)?;
         let geometry = geometry(node, weights.shape())?;
-        let (values, zero) = weight_values(weights, w.zero.as_ref(), &w, geometry.out_channels)?;
-        let weight_scale = per_channel(&w.scale, geometry.out_channels)?;
+        let qw = quantized_weights(weights, &w.scale, w.zero.as_ref(), w.axis == 0, geometry.out_channels)?;
         let bias = match node.input.get(2).filter(|b| !b.is_empty()) {
-            Some(b) => self.bias(b, &input, &weight_scale, geometry.out_channels)?,
+            Some(b) => self.bias(b, &input, &qw.scale, geometry.out_channels)?,
             None => vec![0],
         };
         let spec = ConvSpec {
             geometry,
             input,
             output,
-            weights: values,
-            weight_zero: zero,
-            weight_scale,
+            weights: qw.values,
+            weight_zero: qw.zero,
+            weight_scale: qw.scale,
             bias,
             activation,
         };
@@ -210,9 +209,8 @@ impl<'g> Graph<'g> {
         let input = qparam(c(1)?, c(2))?;
         let weights = c(3)?;
         let geometry = geometry(node, weights.shape())?;
-        let w = Dequantize { input: "", scale: c(4)?.clone(), zero: c(5).cloned(), axis: 0 };
-        let (values, zero) = weight_values(weights, w.zero.as_ref(), &w, geometry.out_channels)?;
-        let weight_scale = per_channel(&w.scale, geometry.out_channels)?;
+        // QLinearConv's per-channel parameters are along the output channels.
+        let qw = quantized_weights(weights, c(4)?, c(5), true, geometry.out_channels)?;
         let output = qparam(c(6)?, c(7))?;
         let bias = match c(8) {
             Some(b) => b.cast_to::<i32>().ok()?.try_as_plain_ram().ok()?.as_slice::<i32>().ok()?.to_vec(),
@@ -222,9 +220,9 @@ impl<'g> Graph<'g> {
             geometry,
             input,
             output,
-            weights: values,
-            weight_zero: zero,
-            weight_scale,
+            weights: qw.values,
+            weight_zero: qw.zero,
+            weight_scale: qw.scale,
             bias,
             activation: Activation::None,
         };
@@ -253,15 +251,11 @@ impl<'g> Graph<'g> {
             _ => return None,
         };
         // Per output column: axis 1 of [K, M], axis 0 of a transposed [M, K].
-        let w_axis = if trans_b { 0 } else { 1 };
-        if w.scale.len() > 1 && w.axis != w_axis {
-            return None;
-        }
-        let weight_scale = per_channel(&w.scale, m)?;
+        let along_outputs = w.axis == if trans_b { 0 } else { 1 };
         let transposed =
             if trans_b { weights.clone() } else { weights.clone().permute_axes(&[1, 0]).ok()? };
-        let dq = Dequantize { input: "", scale: w.scale.clone(), zero: w.zero.clone(), axis: 0 };
-        let (values, zero) = weight_values(&transposed, dq.zero.as_ref(), &dq, m)?;
+        let qw = quantized_weights(&transposed, &w.scale, w.zero.as_ref(), along_outputs, m)?;
+        let weight_scale = qw.scale;
         let mut out = node.output.first()?.as_str();
         let mut bias = vec![0];
         if gemm {
@@ -281,8 +275,8 @@ impl<'g> Graph<'g> {
             outputs: m,
             input,
             output,
-            weights: values,
-            weight_zero: zero,
+            weights: qw.values,
+            weight_zero: qw.zero,
             weight_scale,
             bias,
             activation,
@@ -296,9 +290,9 @@ impl<'g> Graph<'g> {
         let input = qparam(c(1)?, c(2))?;
         let weights = c(3)?;
         let &[k, m] = weights.shape() else { return None };
-        let dq = Dequantize { input: "", scale: c(4)?.clone(), zero: c(5).cloned(), axis: 0 };
         let transposed = weights.clone().permute_axes(&[1, 0]).ok()?;
-        let (values, zero) = weight_values(&transposed, dq.zero.as_ref(), &dq, m)?;
+        // QLinearMatMul's per-column parameters of b are along the outputs.
+        let qw = quantized_weights(&transposed, c(4)?, c(5), true, m)?;
         let output = qparam(c(6)?, c(7))?;
         let (tail, end) = match self.float_tail(node.output.first()?, &output, m) {
             Some((tail, end)) => (Some(tail), end),
@@ -309,9 +303,9 @@ impl<'g> Graph<'g> {
             outputs: m,
             input,
             output,
-            weights: values,
-            weight_zero: zero,
-            weight_scale: per_channel(&dq.scale, m)?,
+            weights: qw.values,
+            weight_zero: qw.zero,
+            weight_scale: qw.scale,
             bias: vec![0],
             activation: Activation::None,
             tail,
@@ -442,20 +436,28 @@ fn per_channel(scale: &Tensor, channels: usize) -> Option<Vec<f32>> {
     (s.len() == 1 || s.len() == channels).then_some(s).filter(|s| s.iter().all(|v| *v > 0.0 && v.is_finite()))
 }
 
-/// Constant 8-bit weights `[channels, ...]` and their zero points, in the
-/// i8 domain (u8 weights shift by 128, exactly).
-fn weight_values(
+/// Constant 8-bit weights `[channels, ...]` in the i8 domain (u8 weights
+/// shift by 128, exactly), with one scale and zero point per channel or one
+/// for all. `along_channels` says whether per-channel parameters were given
+/// along that first axis; any other axis is refused.
+struct QuantizedWeights {
+    values: Vec<i8>,
+    zero: Vec<i32>,
+    scale: Vec<f32>,
+}
+
+fn quantized_weights(
     w: &Tensor,
+    scale: &Tensor,
     zero: Option<&Tensor>,
-    dq: &Dequantize,
+    along_channels: bool,
     channels: usize,
-) -> Option<(Vec<i8>, Vec<i32>)> {
-    let qtype = QType::of(w.datum_type())?;
-    if zero.is_some_and(|z| z.len() > 1) && dq.axis != 0 {
+) -> Option<QuantizedWeights> {
+    if (scale.len() > 1 || zero.is_some_and(|z| z.len() > 1)) && !along_channels {
         return None;
     }
-    let bytes = w.try_as_plain_ram().ok()?.as_bytes();
-    let values = qtype.to_i8(bytes).into_owned();
+    let qtype = QType::of(w.datum_type())?;
+    let values = qtype.to_i8(w.try_as_plain_ram().ok()?.as_bytes()).into_owned();
     let zero: Vec<i32> = match zero {
         Some(z) => {
             let z = z.cast_to::<i32>().ok()?;
@@ -463,7 +465,8 @@ fn weight_values(
         }
         None => vec![-qtype.offset()],
     };
-    (zero.len() == 1 || zero.len() == channels).then_some((values, zero))
+    let scale = per_channel(scale, channels)?;
+    (zero.len() == 1 || zero.len() == channels).then_some(QuantizedWeights { values, zero, scale })
 }
 
 /// The convolution's geometry from its attributes and its `[co, ci, kh,
