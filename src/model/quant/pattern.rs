@@ -9,7 +9,7 @@
 use super::add::QAdd;
 use super::conv::{ConvSpec, Geometry};
 use super::dense::{DenseSpec, FloatTail};
-use super::pool::QGlobalAvgPool;
+use super::pool::{QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, round_half_even};
 use std::collections::HashMap;
 use tract_onnx::data_resolver::ModelDataResolver;
@@ -31,8 +31,9 @@ pub enum Fusion {
     Conv(ConvSpec),
     Dense(DenseSpec),
     Add(QAdd),
-    /// The window, to be checked against the input's height and width.
-    Pool(QGlobalAvgPool, Option<[usize; 2]>),
+    /// The window (none for GlobalAveragePool): one that covers the whole
+    /// image unpadded makes a `QGlobalAvgPool`, any other a `QAvgPool`.
+    Pool(QGlobalAvgPool, Option<Window>),
 }
 
 /// A DequantizeLinear and what it reads.
@@ -348,16 +349,37 @@ impl<'g> Graph<'g> {
     fn pool(&self, node: &'g NodeProto) -> Option<Match> {
         let (x, input) = self.activation(node.input.first()?)?;
         let window = if node.op_type == "AveragePool" {
+            let pair = |name: &str, default: i64| -> Option<Vec<i64>> {
+                Some(node.get_attr_opt_vec::<i64>(name).ok().flatten().unwrap_or(vec![default; 2]))
+            };
             let kernel = node.get_attr_opt_vec::<i64>("kernel_shape").ok().flatten()?;
-            let pads = node.get_attr_opt_vec::<i64>("pads").ok().flatten().unwrap_or_default();
+            let strides = pair("strides", 1)?;
+            let pads = node.get_attr_opt_vec::<i64>("pads").ok().flatten().unwrap_or(vec![0; 4]);
             let auto_pad = node.get_attr_opt::<String>("auto_pad").ok().flatten().unwrap_or_default();
+            let int = |name: &str| node.get_attr_opt::<i64>(name).ok().flatten().unwrap_or(0);
             if kernel.len() != 2
-                || pads.iter().any(|&p| p != 0)
+                || strides.len() != 2
+                || pads.len() != 4
+                || kernel.iter().chain(&strides).any(|&v| v <= 0)
+                || pads.iter().any(|&p| p < 0)
+                || int("ceil_mode") != 0
+                || node
+                    .get_attr_opt_vec::<i64>("dilations")
+                    .ok()
+                    .flatten()
+                    .is_some_and(|d| d.iter().any(|&v| v != 1))
                 || !matches!(auto_pad.as_str(), "" | "NOTSET" | "VALID")
             {
                 return None;
             }
-            Some([kernel[0] as usize, kernel[1] as usize])
+            let u = |v: &[i64]| v.iter().map(|&x| x as usize).collect::<Vec<_>>();
+            let (k, st, p) = (u(&kernel), u(&strides), u(&pads));
+            Some(Window {
+                kernel: [k[0], k[1]],
+                strides: [st[0], st[1]],
+                pads: [p[0], p[1], p[2], p[3]],
+                count_include_pad: int("count_include_pad") != 0,
+            })
         } else {
             None
         };

@@ -64,3 +64,107 @@ impl TypedOp for QGlobalAvgPool {
 
     as_op!();
 }
+
+/// An AveragePool window: kernel, strides, pads (top, left, bottom, right,
+/// ONNX order) and whether padded positions count in the divisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: [usize; 2],
+    pub strides: [usize; 2],
+    pub pads: [usize; 4],
+    pub count_include_pad: bool,
+}
+
+impl Window {
+    /// Output height and width over an `[h, w]` image (ceil_mode 0).
+    pub fn output_hw(&self, [h, w]: [usize; 2]) -> TractResult<[usize; 2]> {
+        let dim = |size: usize, k: usize, s: usize, p: usize| {
+            anyhow::ensure!(k > 0 && s > 0 && size + p >= k, "pooling window larger than its input");
+            Ok((size + p - k) / s + 1)
+        };
+        Ok([
+            dim(h, self.kernel[0], self.strides[0], self.pads[0] + self.pads[2])?,
+            dim(w, self.kernel[1], self.strides[1], self.pads[1] + self.pads[3])?,
+        ])
+    }
+}
+
+/// `QAvgPool`: AveragePool with any window, stride and padding over int8
+/// NCHW, with the arithmetic of `QGlobalAvgPool` per output pixel (values
+/// dequantized to f32 and summed in row-major order, divided by the count,
+/// quantized).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QAvgPool {
+    pub input: QParam,
+    pub output: QParam,
+    pub window: Window,
+}
+
+impl QAvgPool {
+    /// `planes` planes of `[h, w]` i8-domain values.
+    pub fn run(&self, x: &[i8], [h, w]: [usize; 2]) -> TractResult<Vec<i8>> {
+        let [oh, ow] = self.window.output_hw([h, w])?;
+        let Window { kernel: [kh, kw], strides: [sy, sx], pads, count_include_pad } = self.window;
+        let (zx, sx_scale) = (self.input.zero_i8(), self.input.scale);
+        let (zy, sy_scale) = (self.output.zero_i8(), self.output.scale);
+        let mut out = Vec::with_capacity(x.len() / (h * w).max(1) * oh * ow);
+        for plane in x.chunks((h * w).max(1)) {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let (mut sum, mut count) = (0f32, 0usize);
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * sy + ky) as isize - pads[0] as isize;
+                            let ix = (ox * sx + kx) as isize - pads[1] as isize;
+                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                continue;
+                            }
+                            sum += (plane[iy as usize * w + ix as usize] as i32 - zx) as f32 * sx_scale;
+                            count += 1;
+                        }
+                    }
+                    let divisor = if count_include_pad { kh * kw } else { count.max(1) };
+                    let v = (sum / divisor as f32 / sy_scale).clamp((-128 - zy) as f32, (127 - zy) as f32);
+                    out.push((round_half_even(v) as i32 + zy) as i8);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+// Scales are finite (checked when the op is built), so equality is reflexive.
+impl Eq for QAvgPool {}
+
+impl Op for QAvgPool {
+    fn name(&self) -> StaticName {
+        "edgeinfer.QAvgPool".into()
+    }
+
+    op_as_typed_op!();
+}
+
+impl EvalOp for QAvgPool {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        let shape = inputs[0].shape();
+        anyhow::ensure!(shape.len() == 4, "QAvgPool: input of rank {}", shape.len());
+        let x = self.input.qtype.to_i8(requant::bytes_of(&inputs[0])?);
+        let y = self.run(&x, [shape[2], shape[3]])?;
+        let [oh, ow] = self.window.output_hw([shape[2], shape[3]])?;
+        Ok(tvec!(requant::tensor(self.output.qtype, &[shape[0], shape[1], oh, ow], y)?.into_tvalue()))
+    }
+}
+
+impl TypedOp for QAvgPool {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        let shape = &inputs[0].shape;
+        anyhow::ensure!(shape.rank() == 4, "QAvgPool expects NCHW, got {shape:?}");
+        let [oh, ow] = self.window.output_hw([shape[2].to_usize()?, shape[3].to_usize()?])?;
+        let dims: TVec<TDim> = tvec![shape[0].clone(), shape[1].clone(), oh.to_dim(), ow.to_dim()];
+        Ok(tvec!(self.output.qtype.datum_type().fact(dims)))
+    }
+
+    as_op!();
+}

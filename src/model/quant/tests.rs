@@ -6,7 +6,7 @@
 use super::add::QAdd;
 use super::conv::{ConvSpec, Geometry, QConv};
 use super::dense::{DenseSpec, QDense};
-use super::pool::QGlobalAvgPool;
+use super::pool::{QAvgPool, QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, output_range};
 use proptest::prelude::*;
 
@@ -204,5 +204,40 @@ proptest! {
             (v as i64 + output.zero_i8() as i64).clamp(-128, 127) as i8
         }).collect();
         prop_assert_eq!(QGlobalAvgPool { input, output }.run(&x, plane), want);
+    }
+
+    #[test]
+    fn qavg_pool_is_bit_exact(
+        input in qparam(), output in qparam(), (h, w) in (1usize..12, 1usize..12), planes in 1usize..4,
+        kernel in [1usize..5, 1usize..5], strides in [1usize..4, 1usize..4], pads in [0usize..3, 0usize..3, 0usize..3, 0usize..3],
+        count_include_pad in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let window = Window { kernel, strides, pads, count_include_pad };
+        prop_assume!(window.output_hw([h, w]).is_ok());
+        let [oh, ow] = window.output_hw([h, w]).unwrap();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let x: Vec<i8> = (0..planes * h * w).map(|_| rng.i8(..)).collect();
+        // Dequantize, average the window in f32 (the divisor per count_include_pad), quantize.
+        let mut want = Vec::new();
+        for p in 0..planes {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let (mut sum, mut n) = (0f32, 0usize);
+                    for ky in 0..kernel[0] {
+                        for kx in 0..kernel[1] {
+                            let (iy, ix) = ((oy * strides[0] + ky) as i64 - pads[0] as i64, (ox * strides[1] + kx) as i64 - pads[1] as i64);
+                            if iy >= 0 && ix >= 0 && (iy as usize) < h && (ix as usize) < w {
+                                sum += (x[p * h * w + iy as usize * w + ix as usize] as i32 - input.zero_i8()) as f32 * input.scale;
+                                n += 1;
+                            }
+                        }
+                    }
+                    let divisor = if count_include_pad { kernel[0] * kernel[1] } else { n.max(1) };
+                    let v = (sum / divisor as f32 / output.scale).round_ties_even();
+                    want.push((v as i64 + output.zero_i8() as i64).clamp(-128, 127) as i8);
+                }
+            }
+        }
+        prop_assert_eq!(QAvgPool { input, output, window }.run(&x, [h, w]).unwrap(), want);
     }
 }
