@@ -2,9 +2,9 @@
 # The integer ops on arm64: their property tests against the scalar
 # references, and the MLPerf Tiny agreement test, built for
 # aarch64-unknown-linux-musl and run under qemu-user. There the products
-# run on tract-linalg's NEON kernels (the AVX2 kernel is x86-64 only), so
-# this is what proves that path bit-exact. Correctness only: timing under
-# qemu means nothing.
+# run on tract-linalg's NEON kernels (the AVX2 kernel is x86-64 only) and
+# depthwise convolutions on our NEON kernel, so this is what proves those
+# paths bit-exact. Correctness only: timing under qemu means nothing.
 #
 #   cross/test-arm64.sh
 #

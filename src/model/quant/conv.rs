@@ -283,36 +283,50 @@ impl EvalOp for QConv {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        let input = &inputs[0];
-        let images = input.shape()[0];
-        let x = self.spec.input.qtype.to_i8(requant::bytes_of(input)?);
-        let y = self.run(&x, images)?;
-        let g = self.spec.geometry;
-        let [oh, ow] = g.output_hw()?;
-        Ok(tvec!(
-            requant::tensor(self.spec.output.qtype, &[images, g.out_channels, oh, ow], y)?.into_tvalue()
-        ))
+        eval_nchw(&self.spec, &inputs, |x, images| self.run(x, images))
     }
 }
 
 impl TypedOp for QConv {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        let g = self.spec.geometry;
-        let shape = &inputs[0].shape;
-        anyhow::ensure!(
-            shape.rank() == 4
-                && shape[1] == g.in_channels.to_dim()
-                && shape[2] == g.height.to_dim()
-                && shape[3] == g.width.to_dim(),
-            "QConv expects [N, {}, {}, {}], got {shape:?}",
-            g.in_channels,
-            g.height,
-            g.width
-        );
-        let [oh, ow] = g.output_hw()?;
-        let dims: TVec<TDim> = tvec![shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()];
-        Ok(tvec!(self.spec.output.qtype.datum_type().fact(dims)))
+        nchw_output_facts(&self.spec, inputs)
     }
 
     as_op!();
+}
+
+/// Runs a convolution op's `run` on its one NCHW input, in the i8 domain,
+/// and stores the result as the output's type.
+pub(super) fn eval_nchw(
+    spec: &ConvSpec,
+    inputs: &[TValue],
+    run: impl FnOnce(&[i8], usize) -> TractResult<Vec<i8>>,
+) -> TractResult<TVec<TValue>> {
+    let input = &inputs[0];
+    let images = input.shape()[0];
+    let x = spec.input.qtype.to_i8(requant::bytes_of(input)?);
+    let y = run(&x, images)?;
+    let g = spec.geometry;
+    let [oh, ow] = g.output_hw()?;
+    Ok(tvec!(requant::tensor(spec.output.qtype, &[images, g.out_channels, oh, ow], y)?.into_tvalue()))
+}
+
+/// `[N, out_channels, oh, ow]` of the output type, for an input of the
+/// spec's `[N, in_channels, height, width]`.
+pub(super) fn nchw_output_facts(spec: &ConvSpec, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+    let g = spec.geometry;
+    let shape = &inputs[0].shape;
+    anyhow::ensure!(
+        shape.rank() == 4
+            && shape[1] == g.in_channels.to_dim()
+            && shape[2] == g.height.to_dim()
+            && shape[3] == g.width.to_dim(),
+        "expects [N, {}, {}, {}], got {shape:?}",
+        g.in_channels,
+        g.height,
+        g.width
+    );
+    let [oh, ow] = g.output_hw()?;
+    let dims: TVec<TDim> = tvec![shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()];
+    Ok(tvec!(spec.output.qtype.datum_type().fact(dims)))
 }

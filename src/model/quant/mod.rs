@@ -12,12 +12,14 @@
 pub mod add;
 pub mod conv;
 pub mod dense;
+pub mod depthwise;
 mod gemm;
 mod igemm;
 mod patches;
 mod pattern;
 pub mod pool;
 pub mod requant;
+mod transpose;
 
 use pattern::{Found, Fusion};
 use std::collections::HashMap;
@@ -30,6 +32,7 @@ use tract_onnx::tract_core::internal::*;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rewritten {
     pub conv: usize,
+    pub depthwise: usize,
     pub dense: usize,
     pub add: usize,
     pub pool: usize,
@@ -37,19 +40,20 @@ pub struct Rewritten {
 
 impl Rewritten {
     pub fn total(&self) -> usize {
-        self.conv + self.dense + self.add + self.pool
+        self.conv + self.depthwise + self.dense + self.add + self.pool
     }
 }
 
 /// Which kinds of op the rewrite may use: all by default; the variable
-/// `EDGEINFER_INT8_OPS` (`off`, or a list of `conv`, `dense`, `add`, `pool`)
+/// `EDGEINFER_INT8_OPS` (`off`, or a list of `conv`, `depthwise`, `dense`,
+/// `add`, `pool`)
 /// narrows it, to measure or to bisect a numeric difference.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Kinds(Vec<String>);
 
 impl Kinds {
     pub fn all() -> Kinds {
-        Kinds(["conv", "dense", "add", "pool"].map(String::from).to_vec())
+        Kinds(["conv", "depthwise", "dense", "add", "pool"].map(String::from).to_vec())
     }
 
     pub fn from_env() -> Kinds {
@@ -63,6 +67,7 @@ impl Kinds {
     fn allows(&self, fusion: &Fusion) -> bool {
         let kind = match fusion {
             Fusion::Conv(_) => "conv",
+            Fusion::Depthwise(_) => "depthwise",
             Fusion::Dense(_) => "dense",
             Fusion::Add(_) => "add",
             Fusion::Pool(..) => "pool",
@@ -89,6 +94,7 @@ pub fn rewrite(
         let Some(&target) = outlets.get(&found.output) else { continue };
         let kind = match &found.fusion {
             Fusion::Conv(_) => &mut done.conv,
+            Fusion::Depthwise(_) => &mut done.depthwise,
             Fusion::Dense(_) => &mut done.dense,
             Fusion::Add(_) => &mut done.add,
             Fusion::Pool(..) => &mut done.pool,
@@ -120,19 +126,8 @@ fn replace(
     let facts: Vec<TypedFact> =
         inputs.iter().map(|o| model.outlet_fact(*o).cloned()).collect::<TractResult<_>>()?;
     let op: Box<dyn TypedOp> = match &found.fusion {
-        Fusion::Conv(spec) => {
-            let mut spec = spec.clone();
-            let shape = &facts[0].shape;
-            anyhow::ensure!(shape.rank() == 4, "conv input of rank {}", shape.rank());
-            spec.geometry.height = shape[2].to_usize()?;
-            spec.geometry.width = shape[3].to_usize()?;
-            anyhow::ensure!(
-                types_match(&facts[0], spec.input.qtype),
-                "conv input of type {:?}",
-                facts[0].datum_type
-            );
-            Box::new(conv::QConv::new(spec)?)
-        }
+        Fusion::Conv(spec) => Box::new(conv::QConv::new(sized(spec, &facts[0])?)?),
+        Fusion::Depthwise(spec) => Box::new(depthwise::QDepthwise::new(sized(spec, &facts[0])?)?),
         Fusion::Dense(spec) => {
             anyhow::ensure!(
                 types_match(&facts[0], spec.input.qtype),
@@ -172,6 +167,18 @@ fn replace(
     patch.shunt_outside(model, target, wire[0])?;
     patch.apply(model)?;
     Ok(Some(OutletId::new(model.node_id_by_name(name)?, 0)))
+}
+
+/// A convolution's spec with the height and width of its input, which the
+/// typed model knows and the ONNX attributes do not.
+fn sized(spec: &conv::ConvSpec, input: &TypedFact) -> TractResult<conv::ConvSpec> {
+    let mut spec = spec.clone();
+    let shape = &input.shape;
+    anyhow::ensure!(shape.rank() == 4, "conv input of rank {}", shape.rank());
+    spec.geometry.height = shape[2].to_usize()?;
+    spec.geometry.width = shape[3].to_usize()?;
+    anyhow::ensure!(types_match(input, spec.input.qtype), "conv input of type {:?}", input.datum_type);
+    Ok(spec)
 }
 
 fn types_match(fact: &TypedFact, qtype: requant::QType) -> bool {

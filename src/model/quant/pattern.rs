@@ -29,6 +29,8 @@ pub struct Found {
 #[derive(Debug)]
 pub enum Fusion {
     Conv(ConvSpec),
+    /// One filter per channel (`group` = channels, weights `[C, 1, kh, kw]`).
+    Depthwise(ConvSpec),
     Dense(DenseSpec),
     Add(QAdd),
     /// The window (none for GlobalAveragePool): one that covers the whole
@@ -176,9 +178,6 @@ impl<'g> Graph<'g> {
     }
 
     fn conv(&self, node: &'g NodeProto) -> Option<Match> {
-        if node.get_attr_opt::<i64>("group").ok().flatten().unwrap_or(1) != 1 {
-            return None; // depthwise and grouped convolutions stay on tract's ops
-        }
         let (x, input) = self.activation(node.input.first()?)?;
         let w = self.dequantize(node.input.get(1)?)?;
         let weights = self.constant(w.input)?;
@@ -199,13 +198,10 @@ impl<'g> Graph<'g> {
             bias,
             activation,
         };
-        Some((vec![x], q, Fusion::Conv(spec)))
+        Some((vec![x], q, conv_fusion(node, spec)?))
     }
 
     fn qlinear_conv(&self, node: &'g NodeProto) -> Option<Match> {
-        if node.get_attr_opt::<i64>("group").ok().flatten().unwrap_or(1) != 1 {
-            return None;
-        }
         let c = |i: usize| node.input.get(i).and_then(|n| self.constant(n));
         let input = qparam(c(1)?, c(2))?;
         let weights = c(3)?;
@@ -227,7 +223,7 @@ impl<'g> Graph<'g> {
             bias,
             activation: Activation::None,
         };
-        Some((vec![node.input.first()?.clone()], node.output.first()?.clone(), Fusion::Conv(spec)))
+        Some((vec![node.input.first()?.clone()], node.output.first()?.clone(), conv_fusion(node, spec)?))
     }
 
     /// MatMul(DQ(x), DQ(W)) [+ bias], or Gemm(DQ(x), DQ(W), bias), then the tail.
@@ -489,6 +485,22 @@ fn quantized_weights(
     };
     let scale = per_channel(scale, channels)?;
     (zero.len() == 1 || zero.len() == channels).then_some(QuantizedWeights { values, zero, scale })
+}
+
+/// `QConv` for group 1, `QDepthwise` for one filter per channel (its
+/// geometry then has the group's channels in and out); other groupings
+/// stay on tract's ops.
+fn conv_fusion(node: &NodeProto, mut spec: ConvSpec) -> Option<Fusion> {
+    let group = node.get_attr_opt::<i64>("group").ok().flatten().unwrap_or(1);
+    let g = &mut spec.geometry;
+    if group == 1 {
+        return Some(Fusion::Conv(spec));
+    }
+    if g.in_channels != 1 || group != g.out_channels as i64 {
+        return None;
+    }
+    g.in_channels = g.out_channels;
+    Some(Fusion::Depthwise(spec))
 }
 
 /// The convolution's geometry from its attributes and its `[co, ci, kh,

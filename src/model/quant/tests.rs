@@ -6,6 +6,7 @@
 use super::add::QAdd;
 use super::conv::{ConvSpec, Geometry, QConv};
 use super::dense::{DenseSpec, QDense};
+use super::depthwise::QDepthwise;
 use super::pool::{QAvgPool, QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, output_range};
 use proptest::prelude::*;
@@ -100,15 +101,30 @@ fn geometry() -> impl Strategy<Value = Geometry> {
         .prop_filter("window inside the padded input", |g| g.output_hw().is_ok())
 }
 
-fn conv_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
-    (geometry(), 1usize..3).prop_flat_map(|(g, images)| {
-        let k = g.patch_len();
+/// A depthwise geometry: the same channels in and out, from one to past
+/// two kernel blocks, partial blocks included.
+fn depthwise_geometry() -> impl Strategy<Value = Geometry> {
+    (geometry(), prop_oneof![1usize..20, 30usize..40]).prop_map(|(g, channels)| Geometry {
+        in_channels: channels,
+        out_channels: channels,
+        ..g
+    })
+}
+
+/// A random spec for `geometries` (random weights, zero points, scales,
+/// bias, activation) and a batch of random input images; `weights` says
+/// how many weights a geometry has.
+fn conv_case_of(
+    geometries: impl Strategy<Value = Geometry>,
+    weights: fn(&Geometry) -> usize,
+) -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
+    (geometries, 1usize..3).prop_flat_map(move |(g, images)| {
         let co = g.out_channels;
         let zero_weights = prop_oneof![Just(vec![0]), channels(-20i32..20, co)];
         (
             qparam(),
             qparam(),
-            prop::collection::vec(any::<i8>(), co * k),
+            prop::collection::vec(any::<i8>(), weights(&g)),
             zero_weights,
             channels(0.001f32..0.05, co),
             channels(-20_000i32..20_000, co),
@@ -136,8 +152,60 @@ fn conv_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
     })
 }
 
+fn conv_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
+    conv_case_of(geometry(), |g| g.out_channels * g.patch_len())
+}
+
+fn depthwise_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
+    conv_case_of(depthwise_geometry(), |g| g.out_channels * g.kernel[0] * g.kernel[1])
+}
+
+/// A depthwise convolution computed as ONNX defines it (group = channels):
+/// channel `c` of the output reads channel `c` of the input only.
+fn depthwise_reference(s: &ConvSpec, x: &[i8], images: usize) -> Vec<i8> {
+    let g = &s.geometry;
+    let [oh, ow] = g.output_hw().unwrap();
+    let (zx, taps) = (s.input.zero_i8() as i64, g.kernel[0] * g.kernel[1]);
+    let mut out = Vec::new();
+    for n in 0..images {
+        for c in 0..g.in_channels {
+            let zw = per(&s.weight_zero, c) as i64;
+            let m = s.input.scale * per(&s.weight_scale, c) / s.output.scale;
+            let plane = &x[(n * g.in_channels + c) * g.height * g.width..][..g.height * g.width];
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = per(&s.bias, c) as i64;
+                    for ky in 0..g.kernel[0] {
+                        for kx in 0..g.kernel[1] {
+                            let iy = (oy * g.strides[0] + ky * g.dilations[0]) as i64 - g.pads[0] as i64;
+                            let ix = (ox * g.strides[1] + kx * g.dilations[1]) as i64 - g.pads[1] as i64;
+                            if iy < 0 || ix < 0 || iy >= g.height as i64 || ix >= g.width as i64 {
+                                continue;
+                            }
+                            let xv = plane[iy as usize * g.width + ix as usize] as i64;
+                            let wv = s.weights[c * taps + ky * g.kernel[1] + kx] as i64;
+                            acc += (xv - zx) * (wv - zw);
+                        }
+                    }
+                    out.push(quantize(acc, m, &s.output, s.activation));
+                }
+            }
+        }
+    }
+    out
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn qdepthwise_is_bit_exact((spec, x, images) in depthwise_case()) {
+        let want = depthwise_reference(&spec, &x, images);
+        let got = QDepthwise::new(spec.clone()).unwrap().run(&x, images).unwrap();
+        prop_assert_eq!(&got, &want, "{:?}", spec.geometry);
+        let portable = QDepthwise::portable(spec.clone()).unwrap().run(&x, images).unwrap();
+        prop_assert_eq!(portable, want, "portable kernel, {:?}", spec.geometry);
+    }
 
     #[test]
     fn qconv_is_bit_exact((spec, x, images) in conv_case()) {

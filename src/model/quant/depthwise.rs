@@ -1,0 +1,393 @@
+//! `QDepthwise`: an int8 depthwise convolution (one filter per channel,
+//! group = channels, any kernel size, stride, padding and dilation) with
+//! bias, zero points, per-channel requantization and the ReLU/ReLU6 clamp.
+//!
+//! tract has no integer depthwise kernel, so without this op every
+//! depthwise layer of an int8 MobileNet or DS-CNN runs in f32 between a
+//! dequantize and a quantize. A depthwise layer does few multiply-adds per
+//! byte it reads, so the layout decides its speed: the image is widened
+//! once into a padded channels-last plane of i16 (`x - zx`, zeros in the
+//! border), where every tap of every output pixel reads 16 adjacent
+//! channels with one load, whatever the stride or dilation. The op keeps
+//! NCHW at its boundary, like `QConv`, so it slots between the ops around
+//! it; the two transposes (`transpose.rs`, 16 x 16 tiles in registers)
+//! cost about as much as the convolution itself, a few microseconds a
+//! layer (docs/BENCHMARKS.md).
+//!
+//! Kernels: AVX2 on x86-64 (`vpmaddwd` on tap pairs, requantization fused),
+//! NEON on arm64 (`smlal` per tap), and a portable one; all are tested
+//! bit-exact against the same scalar reference.
+
+use super::conv::ConvSpec;
+use super::requant::{output_range, per, requantize_one};
+use super::transpose;
+use std::sync::Arc;
+use tract_onnx::prelude::*;
+use tract_onnx::tract_core::internal::*;
+
+/// Channels one kernel step computes: 16 i16 lanes, one AVX2 register.
+const BLOCK: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+}
+
+impl Kernel {
+    fn best() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if super::igemm::avx2() {
+            return Kernel::Avx2;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Kernel::Neon;
+        }
+        Kernel::Portable
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Portable => "edgeinfer portable",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => "edgeinfer avx2 i16x2",
+            #[cfg(target_arch = "aarch64")]
+            Kernel::Neon => "edgeinfer neon i16",
+        }
+    }
+}
+
+/// Everything fixed when the op is built: the filters widened and laid out
+/// per channel block, and per channel the bias and multiplier.
+#[derive(Debug, Clone)]
+struct Packed {
+    /// Channels rounded up to `BLOCK`.
+    channels: usize,
+    /// Kernel taps rounded up to even (a zero tap pairs the last one).
+    taps: usize,
+    /// Where input pixel `y * width + x` goes in the padded plane.
+    pixel_offsets: Vec<usize>,
+    /// Where tap `t` reads, in plane elements from the output pixel's
+    /// window origin; the padding tap reads offset 0 with weight 0.
+    tap_offsets: Vec<usize>,
+    /// `[block][tap][BLOCK]` weights `w - zw`, channel order.
+    weights: Vec<i16>,
+    /// The AVX2 order of `weights`: per block and tap pair, the
+    /// `unpacklo`/`unpackhi` interleavings of the pair (see `block_avx2`).
+    pairs: Vec<i16>,
+    bias: Vec<i32>,
+    multipliers: Vec<f32>,
+    /// `bias` and `multipliers` per block in the AVX2 accumulators' lane
+    /// order: `LO` then `HI`.
+    lane_bias: Vec<i32>,
+    lane_multipliers: Vec<f32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct QDepthwise {
+    pub spec: Arc<ConvSpec>,
+    packed: Arc<Packed>,
+    kernel: Kernel,
+}
+
+impl PartialEq for QDepthwise {
+    fn eq(&self, other: &Self) -> bool {
+        self.spec == other.spec
+    }
+}
+
+// Scales are finite (checked when the op is built), so equality is reflexive.
+impl Eq for QDepthwise {}
+
+/// Lane order of the AVX2 accumulators: `unpacklo_epi16` of two 16-lane
+/// vectors holds channels 0-3 and 8-11 (one pair per i32), `unpackhi`
+/// channels 4-7 and 12-15.
+const LO: [usize; 8] = [0, 1, 2, 3, 8, 9, 10, 11];
+const HI: [usize; 8] = [4, 5, 6, 7, 12, 13, 14, 15];
+
+impl QDepthwise {
+    /// `spec.weights` is `[channels, kh * kw]`; `geometry` has as many
+    /// output channels as input channels.
+    pub fn new(spec: ConvSpec) -> TractResult<QDepthwise> {
+        QDepthwise::build(spec, Kernel::best())
+    }
+
+    /// On the portable kernel whatever the host (tests compare both).
+    pub fn portable(spec: ConvSpec) -> TractResult<QDepthwise> {
+        QDepthwise::build(spec, Kernel::Portable)
+    }
+
+    fn build(spec: ConvSpec, kernel: Kernel) -> TractResult<QDepthwise> {
+        let g = spec.geometry;
+        g.output_hw()?;
+        let c = g.in_channels;
+        let taps = g.kernel[0] * g.kernel[1];
+        anyhow::ensure!(
+            g.out_channels == c && c > 0 && spec.weights.len() == c * taps,
+            "QDepthwise: {} weights for {c} channels of {taps} taps",
+            spec.weights.len()
+        );
+        let channels = c.div_ceil(BLOCK) * BLOCK;
+        let wp = g.width + g.pads[1] + g.pads[3];
+        let mut tap_offsets: Vec<usize> = (0..g.kernel[0])
+            .flat_map(|ky| {
+                (0..g.kernel[1]).map(move |kx| (ky * g.dilations[0] * wp + kx * g.dilations[1]) * channels)
+            })
+            .collect();
+        if taps % 2 == 1 {
+            tap_offsets.push(0);
+        }
+        let padded_taps = tap_offsets.len();
+        let mut weights = vec![0i16; channels / BLOCK * padded_taps * BLOCK];
+        for ch in 0..c {
+            let zw = per(&spec.weight_zero, ch);
+            for t in 0..taps {
+                let (block, lane) = (ch / BLOCK, ch % BLOCK);
+                weights[(block * padded_taps + t) * BLOCK + lane] =
+                    (spec.weights[ch * taps + t] as i32 - zw) as i16;
+            }
+        }
+        let mut pairs = Vec::with_capacity(weights.len());
+        for block in weights.chunks(padded_taps * BLOCK) {
+            for pair in block.chunks(2 * BLOCK) {
+                let (a, b) = pair.split_at(BLOCK);
+                for order in [LO, HI] {
+                    pairs.extend(order.iter().flat_map(|&ch| [a[ch], b[ch]]));
+                }
+            }
+        }
+        let scale = |ch: usize| spec.input.scale * per(&spec.weight_scale, ch) / spec.output.scale;
+        let bias: Vec<i32> = (0..channels).map(|ch| if ch < c { per(&spec.bias, ch) } else { 0 }).collect();
+        let multipliers: Vec<f32> = (0..channels).map(|ch| if ch < c { scale(ch) } else { 0.0 }).collect();
+        let lanes = |block: usize| LO.into_iter().chain(HI).map(move |lane| block * BLOCK + lane);
+        let lane_bias = (0..channels / BLOCK).flat_map(lanes).map(|ch| bias[ch]).collect();
+        let lane_multipliers = (0..channels / BLOCK).flat_map(lanes).map(|ch| multipliers[ch]).collect();
+        let pixel_offsets = (0..g.height)
+            .flat_map(|y| (0..g.width).map(move |x| ((y + g.pads[0]) * wp + x + g.pads[1]) * channels))
+            .collect();
+        let packed = Packed {
+            channels,
+            pixel_offsets,
+            taps: padded_taps,
+            tap_offsets,
+            weights,
+            pairs,
+            bias,
+            multipliers,
+            lane_bias,
+            lane_multipliers,
+        };
+        Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel })
+    }
+
+    /// Convolves `images` NCHW images held as i8-domain values.
+    pub fn run(&self, x: &[i8], images: usize) -> TractResult<Vec<i8>> {
+        let g = self.spec.geometry;
+        let [oh, ow] = g.output_hw()?;
+        let image_len = g.in_channels * g.height * g.width;
+        anyhow::ensure!(x.len() == images * image_len, "QDepthwise: input of {} values", x.len());
+        let pixels = oh * ow;
+        let mut out = vec![0i8; images * g.in_channels * pixels];
+        let (mut plane, mut last) = (Vec::new(), vec![0i8; pixels * self.packed.channels]);
+        for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
+            self.widen_channels_last(image, &mut plane);
+            self.convolve(&plane, [oh, ow], &mut last);
+            // Back to NCHW, the layout of the ops around this one.
+            transpose::to_channels_first(&last, self.packed.channels, g.in_channels, pixels, y);
+        }
+        Ok(out)
+    }
+
+    /// The image as a padded `[hp][wp][channels]` plane of `x - zx`, zero
+    /// in the border, so that padded taps add exactly nothing (lanes past
+    /// the last channel meet zero weights).
+    fn widen_channels_last(&self, x: &[i8], plane: &mut Vec<i16>) {
+        let g = self.spec.geometry;
+        let hp = g.height + g.pads[0] + g.pads[2];
+        let wp = g.width + g.pads[1] + g.pads[3];
+        plane.clear();
+        plane.resize(hp * wp * self.packed.channels, 0);
+        let zero = self.spec.input.zero_i8();
+        transpose::widen_to_channels_last(x, g.in_channels, &self.packed.pixel_offsets, zero, plane);
+    }
+
+    /// Every output pixel, channels last: `out[p * channels + ch]`.
+    fn convolve(&self, plane: &[i16], [oh, ow]: [usize; 2], out: &mut [i8]) {
+        let g = self.spec.geometry;
+        let channels = self.packed.channels;
+        let wp = g.width + g.pads[1] + g.pads[3];
+        let origins = (0..oh)
+            .flat_map(|oy| (0..ow).map(move |ox| (oy * g.strides[0] * wp + ox * g.strides[1]) * channels));
+        let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+        let zy = self.spec.output.zero_i8();
+        let bounds = Bounds { zero: zy, lo: (lo - zy) as f32, hi: (hi - zy) as f32 };
+        for (origin, dst) in origins.zip(out.chunks_mut(channels)) {
+            for block in 0..channels / BLOCK {
+                let at = origin + block * BLOCK;
+                let dst = &mut dst[block * BLOCK..(block + 1) * BLOCK];
+                match self.kernel {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: chosen only where AVX2 was detected; every
+                    // read is inside the plane (the window fits the padded
+                    // image, checked by `output_hw`).
+                    Kernel::Avx2 => unsafe { self.block_avx2(plane, at, block, &bounds, dst) },
+                    #[cfg(target_arch = "aarch64")]
+                    // SAFETY: as above, where NEON was detected.
+                    Kernel::Neon => unsafe { self.block_neon(plane, at, block, &bounds, dst) },
+                    Kernel::Portable => self.block_portable(plane, at, block, &bounds, dst),
+                }
+            }
+        }
+    }
+
+    fn block_weights(&self, block: usize) -> &[i16] {
+        let len = self.packed.taps * BLOCK;
+        &self.packed.weights[block * len..(block + 1) * len]
+    }
+
+    fn block_portable(&self, plane: &[i16], at: usize, block: usize, bounds: &Bounds, dst: &mut [i8]) {
+        let mut acc = [0i32; BLOCK];
+        for (&offset, w) in self.packed.tap_offsets.iter().zip(self.block_weights(block).chunks(BLOCK)) {
+            for ((a, &x), &w) in acc.iter_mut().zip(&plane[at + offset..at + offset + BLOCK]).zip(w) {
+                *a += x as i32 * w as i32;
+            }
+        }
+        self.requantize(block, &acc, bounds, dst);
+    }
+
+    /// One block of accumulators in channel order, one value at a time.
+    fn requantize(&self, block: usize, acc: &[i32; BLOCK], b: &Bounds, dst: &mut [i8]) {
+        let p = &self.packed;
+        for (lane, (d, &a)) in dst.iter_mut().zip(acc).enumerate() {
+            let ch = block * BLOCK + lane;
+            *d = requantize_one(a, p.bias[ch], p.multipliers[ch], b.zero, b.lo, b.hi);
+        }
+    }
+
+    /// Tap pairs: the two taps' 16 channels interleaved (`unpacklo/hi`)
+    /// make `vpmaddwd` add both products per channel in one i32 lane; the
+    /// interleaved accumulators hold channels in `LO`/`HI` order, which
+    /// `packs_epi32` restores to channel order while narrowing.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn block_avx2(&self, plane: &[i16], at: usize, block: usize, b: &Bounds, dst: &mut [i8]) {
+        use std::arch::x86_64::*;
+        let p = &*self.packed;
+        let pairs = p.taps / 2;
+        debug_assert!(dst.len() == BLOCK && p.tap_offsets.iter().all(|o| at + o + BLOCK <= plane.len()));
+        unsafe {
+            let base = plane.as_ptr().add(at);
+            let mut w = p.pairs.as_ptr().add(block * pairs * 2 * BLOCK) as *const __m256i;
+            let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for pair in p.tap_offsets.chunks_exact(2) {
+                let xa = _mm256_loadu_si256(base.add(pair[0]) as *const __m256i);
+                let xb = _mm256_loadu_si256(base.add(pair[1]) as *const __m256i);
+                lo = _mm256_add_epi32(
+                    lo,
+                    _mm256_madd_epi16(_mm256_unpacklo_epi16(xa, xb), _mm256_loadu_si256(w)),
+                );
+                hi = _mm256_add_epi32(
+                    hi,
+                    _mm256_madd_epi16(_mm256_unpackhi_epi16(xa, xb), _mm256_loadu_si256(w.add(1))),
+                );
+                w = w.add(2);
+            }
+            // Requantize: the same f32 operations as `requantize_one`, on
+            // the bias and multipliers stored in the accumulators' order.
+            let at = block * BLOCK;
+            let bias = p.lane_bias.as_ptr().add(at) as *const __m256i;
+            let scale = p.lane_multipliers.as_ptr().add(at);
+            let (vlo, vhi, vz) = (_mm256_set1_ps(b.lo), _mm256_set1_ps(b.hi), _mm256_set1_epi32(b.zero));
+            let lo = _mm256_add_epi32(lo, _mm256_loadu_si256(bias));
+            let hi = _mm256_add_epi32(hi, _mm256_loadu_si256(bias.add(1)));
+            let lo = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_loadu_ps(scale));
+            let hi = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_loadu_ps(scale.add(8)));
+            let lo = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(lo, vlo), vhi)), vz);
+            let hi = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(hi, vlo), vhi)), vz);
+            // Per 128-bit lane: LO's four then HI's four, channels 0-7 | 8-15.
+            let words = _mm256_packs_epi32(lo, hi);
+            let bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+            _mm_storeu_si128(dst.as_mut_ptr() as *mut __m128i, bytes);
+        }
+    }
+
+    /// Per tap, `smlal`/`smlal2` widen and accumulate 16 channels.
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    unsafe fn block_neon(&self, plane: &[i16], at: usize, block: usize, b: &Bounds, dst: &mut [i8]) {
+        use std::arch::aarch64::*;
+        let p = &*self.packed;
+        debug_assert!(dst.len() == BLOCK && p.tap_offsets.iter().all(|o| at + o + BLOCK <= plane.len()));
+        let mut acc = [0i32; BLOCK];
+        unsafe {
+            let base = plane.as_ptr().add(at);
+            let w = self.block_weights(block).as_ptr();
+            let mut a = [vdupq_n_s32(0); 4];
+            for (t, &offset) in p.tap_offsets.iter().enumerate() {
+                for half in 0..2 {
+                    let x = vld1q_s16(base.add(offset + half * 8));
+                    let k = vld1q_s16(w.add(t * BLOCK + half * 8));
+                    a[half * 2] = vmlal_s16(a[half * 2], vget_low_s16(x), vget_low_s16(k));
+                    a[half * 2 + 1] = vmlal_high_s16(a[half * 2 + 1], x, k);
+                }
+            }
+            for (i, v) in a.iter().enumerate() {
+                vst1q_s32(acc.as_mut_ptr().add(i * 4), *v);
+            }
+        }
+        self.requantize(block, &acc, b, dst);
+    }
+
+    fn kernel_name(&self) -> &'static str {
+        self.kernel.name()
+    }
+}
+
+/// The output zero point and the clamp bounds `lo - zero`, `hi - zero`.
+struct Bounds {
+    zero: i32,
+    lo: f32,
+    hi: f32,
+}
+
+impl Op for QDepthwise {
+    fn name(&self) -> StaticName {
+        "edgeinfer.QDepthwise".into()
+    }
+
+    fn info(&self) -> TractResult<Vec<String>> {
+        let g = &self.spec.geometry;
+        Ok(vec![format!(
+            "{} channels k{:?} s{:?} d{:?} p{:?} {:?} on {}",
+            g.in_channels,
+            g.kernel,
+            g.strides,
+            g.dilations,
+            g.pads,
+            self.spec.activation,
+            self.kernel_name()
+        )])
+    }
+
+    op_as_typed_op!();
+}
+
+impl EvalOp for QDepthwise {
+    op_out_of_plan!();
+
+    fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
+        super::conv::eval_nchw(&self.spec, &inputs, |x, images| self.run(x, images))
+    }
+}
+
+impl TypedOp for QDepthwise {
+    fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+        super::conv::nchw_output_facts(&self.spec, inputs)
+    }
+
+    as_op!();
+}
