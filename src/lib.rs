@@ -12,6 +12,7 @@ pub mod config;
 pub mod engine;
 pub mod lifecycle;
 pub mod model;
+pub mod node;
 pub mod protocol;
 pub mod telemetry;
 pub mod tls;

@@ -319,3 +319,47 @@ async fn bench_measures_a_node_in_closed_and_open_loop() {
     let wrong = bench(&["--url", &url, "--node", "gw-e6", "--model", "nope", "-C", "2"]);
     assert_eq!(wrong["errors"], wrong["requests"], "{wrong}");
 }
+
+/// The node as a library: started in-process from a `Config`, it answers
+/// over its embedded broker, and a stop signal drains it to `offline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_started_in_process_serves_then_drains_on_stop() {
+    use edgeinfer::lifecycle::{ReloadSource, Signal};
+    use edgeinfer::model::{Registry, RuntimeOptions};
+    let port = free_port_pair();
+    let state = tempfile::tempdir().unwrap();
+    let mut config = edgeinfer::config::Config::default();
+    config.node.id = "gw-inproc".into();
+    config.node.models_dir = crate::models_dir();
+    config.node.state_dir = state.path().to_path_buf();
+    config.mqtt.url = format!("mqtt://127.0.0.1:{port}");
+    config.mqtt.embedded_broker = true;
+    config.http.listen = String::new();
+    // The metrics recorder is process-wide; the other tests run binaries.
+    config.telemetry.metrics = false;
+    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: false };
+    let registry = Registry::load(&config.node.models_dir, &runtime).unwrap();
+    let source = ReloadSource { config_file: None, models_dir: None };
+    let node = edgeinfer::node::Node::start(config, registry, source).await.unwrap();
+    let (signals, received) = tokio::sync::mpsc::unbounded_channel();
+    let running = tokio::spawn(node.run(received));
+
+    let mut c =
+        Client::connect(port, "dev-inproc", &["devices/inproc/replies", "edgeinfer/gw-inproc/status"]).await;
+    let (_, status) = c.next_json().await;
+    assert_eq!(status["state"], "online", "{status}");
+    let (payload, label) = labelled_request("inproc-1", 3);
+    c.request("edgeinfer/gw-inproc/infer/digits", payload, "devices/inproc/replies", b"c1", None).await;
+    let (_, body) = c.next_json().await;
+    assert_eq!(body["id"], "inproc-1", "{body}");
+    assert_eq!(body["parameters"]["label"], label, "{body}");
+
+    signals.send(Signal::Stop("test")).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), running).await.expect("drained within 20 s").unwrap();
+    let mut states = Vec::new();
+    while states.last() != Some(&"offline".to_string()) {
+        let (_, status) = c.next_json().await;
+        states.push(status["state"].as_str().unwrap().to_string());
+    }
+    assert_eq!(states, ["draining", "offline"]);
+}

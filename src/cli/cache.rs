@@ -1,0 +1,75 @@
+//! `edgeinfer cache stats|purge`: through the running node, or the store itself.
+
+use anyhow::Result;
+use clap::Subcommand;
+use edgeinfer::config::Config;
+
+#[derive(Subcommand)]
+pub enum CacheCommand {
+    /// Entries, bytes and capacity of the memory and disk layers, and any
+    /// problem the disk layer had (a store moved aside, an I/O error).
+    Stats {
+        /// The node's HTTP address; default: http://<http.listen>.
+        #[arg(long)]
+        url: Option<String>,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove cached answers from both layers: all of them, or one model's.
+    Purge {
+        /// Only this model's answers.
+        #[arg(long, short)]
+        model: Option<String>,
+        /// The node's HTTP address; default: http://<http.listen>.
+        #[arg(long)]
+        url: Option<String>,
+    },
+}
+
+pub fn run(config: &Config, command: CacheCommand) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        match command {
+            CacheCommand::Stats { url, json } => stats(config, url, json).await,
+            CacheCommand::Purge { model, url } => {
+                let (n, source) =
+                    edgeinfer::admin::cache_purge(config, url.as_deref(), model.as_deref()).await?;
+                let what = model.map(|m| format!("model {m}'s")).unwrap_or_else(|| "all".into());
+                println!("purged {what} cached answers from the {source}: {n} disk entries removed");
+                Ok(0)
+            }
+        }
+    })
+}
+
+async fn stats(config: &Config, url: Option<String>, json: bool) -> Result<i32> {
+    let (stats, source) = edgeinfer::admin::cache_stats(config, url.as_deref()).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&stats)?);
+        return Ok(0);
+    }
+    println!("cache of the {source}{}", if stats.enabled { "" } else { " (cache.enabled = false)" });
+    println!(
+        "  memory: {} entries, {} of {} bytes",
+        stats.memory_entries, stats.memory_bytes, stats.memory_capacity_bytes
+    );
+    match &stats.disk {
+        Some(d) => {
+            println!(
+                "  disk:   {} entries, {} of {} bytes ({} bytes of files) in {}{}",
+                d.entries,
+                d.bytes,
+                d.capacity_bytes,
+                d.size_on_disk,
+                d.path.display(),
+                if d.enabled { "" } else { ", DISABLED" }
+            );
+            if let Some(p) = &d.problem {
+                println!("  problem: {p}");
+            }
+        }
+        None => println!("  disk:   off"),
+    }
+    Ok(0)
+}
