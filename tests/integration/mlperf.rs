@@ -9,10 +9,7 @@ use tiny::{MODELS, VARIANTS, argmax};
 
 #[test]
 fn every_mlperf_tiny_model_matches_onnxruntime_and_litert() {
-    let Some(dir) = tiny::dir() else {
-        eprintln!("SKIPPED: ../shared/mlperf-tiny is absent (CI has it)");
-        return;
-    };
+    let Some(dir) = tiny::dir_or_skip() else { return };
     let mut report = Vec::new();
     for key in MODELS {
         for variant in VARIANTS {
@@ -44,10 +41,7 @@ fn every_mlperf_tiny_model_matches_onnxruntime_and_litert() {
 
 #[test]
 fn the_softmax_pass_is_what_makes_the_quantized_classifiers_right() {
-    let Some(dir) = tiny::dir() else {
-        eprintln!("SKIPPED: ../shared/mlperf-tiny is absent (CI has it)");
-        return;
-    };
+    let Some(dir) = tiny::dir_or_skip() else { return };
     for key in ["kws", "vww", "ic"] {
         let case = tiny::load(&dir, key, "int8", vec![1]);
         assert!(
@@ -70,10 +64,7 @@ fn the_softmax_pass_is_what_makes_the_quantized_classifiers_right() {
 /// `QDepthwise`: no float kernel is left in any of them.
 #[test]
 fn the_integer_rewrite_covers_every_conv_depthwise_included() {
-    let Some(dir) = tiny::dir() else {
-        eprintln!("SKIPPED: ../shared/mlperf-tiny is absent (CI has it)");
-        return;
-    };
+    let Some(dir) = tiny::dir_or_skip() else { return };
     let ic = tiny::load(&dir, "ic", "int8", vec![1]);
     let count = |ops: &[String], op: &str| ops.iter().filter(|o| o.as_str() == op).count();
     let k = &ic.model.kernels;
@@ -103,10 +94,7 @@ fn the_integer_rewrite_covers_every_conv_depthwise_included() {
 /// them draws the load warning for float kernels.
 #[test]
 fn int8_models_are_served_with_int8_tensors_and_none_runs_float_kernels() {
-    let Some(dir) = tiny::dir() else {
-        eprintln!("SKIPPED: ../shared/mlperf-tiny is absent (CI has it)");
-        return;
-    };
+    let Some(dir) = tiny::dir_or_skip() else { return };
     let cases: Vec<_> =
         ["kws", "vww", "ic"].iter().map(|key| tiny::load(&dir, key, "int8", vec![1, 8])).collect();
     let all = tempfile::tempdir().unwrap();

@@ -64,6 +64,8 @@ impl Kernel {
 /// Everything fixed when the op is built: the filters widened and laid out
 /// per channel block, and per channel the bias and multiplier.
 #[derive(Debug, Clone)]
+// The AVX2 layouts (`pairs`, `lane_*`) are built everywhere, read on x86-64.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Packed {
     /// Channels rounded up to `BLOCK`.
     channels: usize,

@@ -7,11 +7,13 @@
 /// Where each 16-wide tile along `len` (at least 16) starts; the last one
 /// ends at `len` and may overlap the one before it, which only writes the
 /// same values again.
+#[cfg(target_arch = "x86_64")]
 fn tiles(len: usize) -> impl Iterator<Item = usize> {
     (0..len.div_ceil(16)).map(move |t| (t * 16).min(len - 16))
 }
 
 /// `tiles`, or one partial tile at 0 for fewer than 16 channels.
+#[cfg(target_arch = "x86_64")]
 fn channel_tiles(channels: usize) -> impl Iterator<Item = usize> {
     tiles(channels.max(16)).map(move |c0| c0.min(channels.saturating_sub(16)))
 }
