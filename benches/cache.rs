@@ -56,7 +56,7 @@ fn fill(rt: &tokio::runtime::Runtime, cache: &Cache, from: u64, n: u64) {
     rt.block_on(async {
         for i in from..from + n {
             if let Lookup::Miss(ticket) = cache.lookup("digits", key(i), Duration::from_secs(3600)).await {
-                cache.store(ticket, &response);
+                cache.store(Some(ticket), &response);
             }
             if i % 1000 == 999 {
                 cache.flush().await;

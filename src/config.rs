@@ -361,22 +361,6 @@ impl Config {
         Ok(config)
     }
 
-    /// The batching policy of `model`: its `[models.NAME]` keys over `[runtime]`.
-    pub fn batch_policy(&self, model: &str) -> crate::engine::BatchPolicy {
-        let m = self.models.get(model);
-        let rt = &self.runtime;
-        crate::engine::BatchPolicy {
-            max_batch: m.and_then(|m| m.max_batch).unwrap_or(rt.max_batch),
-            max_delay: std::time::Duration::from_micros(
-                m.and_then(|m| m.max_delay_us).unwrap_or(rt.max_delay_us),
-            ),
-            latency_budget: m
-                .and_then(|m| m.latency_budget_ms)
-                .or(rt.latency_budget_ms)
-                .map(|ms| std::time::Duration::from_secs_f64(ms / 1e3)),
-        }
-    }
-
     /// How long `model`'s answers stay cached; zero: not cached.
     pub fn cache_ttl(&self, model: &str) -> std::time::Duration {
         let s = self.models.get(model).and_then(|m| m.cache_ttl_s).unwrap_or(self.cache.ttl_s);

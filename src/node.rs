@@ -5,7 +5,7 @@
 
 use crate::cloud::{Cloud, CloudError, CloudOptions, spool};
 use crate::config::Config;
-use crate::engine::{Cache, CacheOptions, Engine, EngineOptions, Tiers};
+use crate::engine::{Cache, CacheOptions, CloudTier, Engine, EngineOptions};
 use crate::lifecycle::{self, Heartbeat, Notifier, ReloadSource, Signal};
 use crate::model::Registry;
 use crate::telemetry::{self, Status, unix_now};
@@ -77,7 +77,7 @@ impl Node {
                             None
                         }
                     };
-                engine = engine.with_tiers(Tiers { cloud, spool });
+                engine = engine.with_cloud_tier(CloudTier { cloud, spool });
                 tracing::info!("cloud tier: {} (escalating below each model's threshold)", config.cloud.url);
             }
             None => tracing::info!("cloud tier off (cloud.enabled = false): no request leaves this node"),

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use edgeinfer::config::Config;
-use edgeinfer::engine::{Cache, Engine, EngineOptions, Target};
+use edgeinfer::engine::{Cache, Engine, EngineOptions, Envelope};
 use edgeinfer::protocol::Encoding;
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -36,14 +36,14 @@ pub fn run(config: &Config, args: InferArgs) -> Result<i32> {
     );
     let encoding = if args.postcard { Encoding::Postcard } else { Encoding::Json };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let target = Target { version: args.model_version.as_deref(), ..Target::model(&args.model) };
-    let handled = rt.block_on(engine.handle(target, &payload, encoding));
+    let envelope = Envelope { version: args.model_version.as_deref(), ..Envelope::model(&args.model) };
+    let reply = rt.block_on(engine.handle(envelope, &payload, encoding));
     let mut out = std::io::stdout().lock();
-    out.write_all(&handled.reply)?;
+    out.write_all(&reply.payload)?;
     if encoding == Encoding::Json {
         writeln!(out)?;
     }
-    Ok(if handled.outcome.is_ok() { 0 } else { 2 })
+    Ok(if reply.outcome.is_ok() { 0 } else { 2 })
 }
 
 fn read_input(input: &str) -> Result<Vec<u8>> {

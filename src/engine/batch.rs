@@ -49,6 +49,22 @@ pub struct BatchPolicy {
     pub latency_budget: Option<Duration>,
 }
 
+impl BatchPolicy {
+    /// The batching policy of `model`: its `[models.NAME]` keys over `[runtime]`.
+    pub fn from_config(config: &crate::config::Config, model: &str) -> BatchPolicy {
+        let m = config.models.get(model);
+        let rt = &config.runtime;
+        BatchPolicy {
+            max_batch: m.and_then(|m| m.max_batch).unwrap_or(rt.max_batch),
+            max_delay: Duration::from_micros(m.and_then(|m| m.max_delay_us).unwrap_or(rt.max_delay_us)),
+            latency_budget: m
+                .and_then(|m| m.latency_budget_ms)
+                .or(rt.latency_budget_ms)
+                .map(|ms| Duration::from_secs_f64(ms / 1e3)),
+        }
+    }
+}
+
 impl Default for BatchPolicy {
     fn default() -> Self {
         BatchPolicy { max_batch: 32, max_delay: Duration::from_millis(2), latency_budget: None }

@@ -1,13 +1,19 @@
-//! Stage 6, the cascade: after the edge model answered, decide whether the
-//! cloud tier should (`parameters.tier`, the model's threshold), ask it
-//! within the request's deadline, and mark what the device gets
-//! (`served_by`, `degraded`, `final`).
+//! Stage 6, the cascade: the whole tier decision. Before the model runs it
+//! settles what this request may do (`parameters.tier`, `enrich`, the
+//! model's policy, whether the node has a cloud tier); after the edge model
+//! answered it decides whether the cloud tier should (the model's
+//! threshold), asks it within the request's deadline, and marks what the
+//! device gets (`served_by`, `degraded`, `final`).
 
-use super::postprocess;
+use super::postprocess::{self, EdgeAnswer};
+use super::{EngineOptions, Envelope};
 use crate::cloud::{Cloud, CloudError, FollowUp, ReplyRoute, Spool, SpoolEntry};
-use crate::model::{LoadedModel, RawOutput, Task};
-use crate::protocol::{Confidence, Encoding, Enrich, InferError, InferRequest, InferResponse, ServedBy};
+use crate::model::{LoadedModel, RawOutput};
+use crate::protocol::{
+    Confidence, Encoding, Enrich, InferError, InferRequest, InferResponse, ServedBy, Tier,
+};
 use crate::telemetry;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -39,50 +45,120 @@ impl CascadePolicy {
 
 /// The cloud tier as the engine sees it: the client and, where the node
 /// has a transport for later replies, the spool for async escalations.
-pub struct Tiers {
+pub struct CloudTier {
     pub cloud: Arc<Cloud>,
     pub spool: Option<Spool>,
 }
 
-/// The confidence of a classifier's answer for the threshold: the worst
-/// row's, so a batch escalates when any of its rows is unsure. `None` for a
-/// model that is not a classifier (it never escalates).
-pub fn confidence(model: &LoadedModel, outputs: &[RawOutput], measure: Confidence) -> Option<f32> {
-    if model.manifest.task != Task::Classification {
-        return None;
+/// What one request may do with the cloud tier, settled before it runs.
+pub struct Cascade<'a> {
+    /// The tier and the model's policy, where the node has a cloud tier.
+    escalation: Option<(&'a CloudTier, &'a CascadePolicy)>,
+    /// `parameters.tier`.
+    tier: Tier,
+    /// `parameters.enrich` over the policy's; only a model that escalates has one.
+    enrich: Option<Enrich>,
+    /// Where a second reply can go (MQTT).
+    follow_up: Option<&'a ReplyRoute>,
+    /// The cloud gets what is left of the deadline minus a reserve, so a
+    /// slow cloud still leaves time to send the edge answer.
+    cloud_deadline: Option<Instant>,
+    node: &'a str,
+}
+
+impl<'a> Cascade<'a> {
+    pub fn plan(
+        cloud_tier: Option<&'a CloudTier>,
+        options: &'a EngineOptions,
+        model: &str,
+        req: &InferRequest,
+        envelope: &Envelope<'a>,
+        due: Option<Instant>,
+    ) -> Cascade<'a> {
+        let escalation = cloud_tier.map(|tier| (tier, options.cascade(model)));
+        let cloud_deadline = due.map(|at| {
+            let reserve = cloud_tier.map(|t| t.cloud.options.reserve).unwrap_or_default();
+            at.checked_sub(reserve).unwrap_or_else(Instant::now)
+        });
+        Cascade {
+            escalation,
+            tier: req.parameters.tier.unwrap_or_default(),
+            enrich: escalation.map(|(_, policy)| req.parameters.enrich.unwrap_or(policy.enrich)),
+            follow_up: envelope.follow_up,
+            cloud_deadline,
+            node: &options.node_id,
+        }
     }
-    let probs = outputs.first()?;
-    let rows = probs.shape.first().copied().unwrap_or(1).max(1);
-    let values = probs.data.to_f64();
-    let width = values.len() / rows;
-    if width == 0 {
-        return None;
+
+    /// How the edge answer's confidence is measured for the threshold.
+    pub fn measure(&self) -> Confidence {
+        self.escalation.map(|(_, policy)| policy.confidence).unwrap_or_default()
     }
-    values
-        .chunks(width)
-        .map(|row| {
-            let (mut best, mut second) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
-            for &p in row {
-                if p > best {
-                    second = best;
-                    best = p;
-                } else if p > second {
-                    second = p;
+
+    /// Where the node has a cloud tier, each tier caches its own answers.
+    pub fn cache_tier(&self) -> Option<Tier> {
+        self.escalation.map(|_| self.tier)
+    }
+
+    /// A cached answer as this request's reply.
+    pub fn cached(&self, mut response: InferResponse, id: &str) -> InferResponse {
+        id.clone_into(&mut response.id);
+        response.parameters.is_final = self.final_if_async();
+        response
+    }
+
+    /// The reply: the edge answer, the cloud's, or the edge's while the
+    /// cloud's follows (async enrichment).
+    pub async fn answer(
+        &self,
+        model: &LoadedModel,
+        req: &InferRequest,
+        edge: impl Future<Output = Result<EdgeAnswer, InferError>>,
+    ) -> Result<InferResponse, InferError> {
+        let node = self.node;
+        match (self.tier, self.escalation) {
+            (Tier::Quality, Some((cloud_tier, policy))) => {
+                count_escalation(model.name(), "quality");
+                let cloud_model = policy.cloud_model(model.name());
+                let cloud = cloud_tier.cloud.infer(model.name(), cloud_model, req, self.cloud_deadline);
+                let (edge, cloud) = tokio::join!(edge, cloud);
+                quality(cloud_tier, model, req, edge?.response, cloud, node)
+            }
+            (Tier::Quality, None) => Ok(degrade(model.name(), edge.await?.response)),
+            (Tier::Standard, Some((cloud_tier, policy))) => {
+                let EdgeAnswer { response: mut edge, confidence } = edge.await?;
+                if !confidence.is_some_and(|c| c < policy.threshold) {
+                    edge.parameters.is_final = self.final_if_async();
+                    return Ok(edge);
                 }
+                if let (Some(Enrich::Async), Some(spool), Some(route)) =
+                    (self.enrich, &cloud_tier.spool, self.follow_up)
+                    && spool_escalation(spool, policy, model.name(), req, &edge, route).await
+                {
+                    edge.parameters.is_final = Some(false);
+                    return Ok(edge);
+                }
+                // Asked async but answered here (HTTP, or the spool could
+                // not take it): this reply is the final one.
+                let mut answer =
+                    escalate(cloud_tier, policy, model, req, edge, self.cloud_deadline, node).await;
+                answer.parameters.is_final = self.final_if_async();
+                Ok(answer)
             }
-            match measure {
-                Confidence::Max => best,
-                Confidence::Margin if row.len() < 2 => best,
-                Confidence::Margin => best - second,
-            }
-        })
-        .fold(None, |worst: Option<f64>, c| Some(worst.map_or(c, |w| w.min(c))))
-        .map(|c| c as f32)
+            _ => Ok(edge.await?.response),
+        }
+    }
+
+    /// `final: true` where the request asked for async enrichment (its one
+    /// reply ends it), nothing otherwise.
+    fn final_if_async(&self) -> Option<bool> {
+        (self.enrich == Some(Enrich::Async)).then_some(true)
+    }
 }
 
 /// The cloud's answer in our reply format: its outputs, with label,
 /// confidence and top-k worked out from them with the edge model's labels.
-pub fn from_cloud(
+fn from_cloud(
     model: &LoadedModel,
     req: &InferRequest,
     cloud: InferResponse,
@@ -108,12 +184,12 @@ pub fn from_cloud(
     Ok(response)
 }
 
-pub fn count_escalation(model: &str, mode: &'static str) {
+fn count_escalation(model: &str, mode: &'static str) {
     metrics::counter!(telemetry::CLOUD_ESCALATIONS, "model" => model.to_string(), "mode" => mode)
         .increment(1);
 }
 
-pub fn degrade(model: &str, mut response: InferResponse) -> InferResponse {
+fn degrade(model: &str, mut response: InferResponse) -> InferResponse {
     metrics::counter!(telemetry::CLOUD_DEGRADED, "model" => model.to_string()).increment(1);
     response.parameters.degraded = true;
     response
@@ -128,8 +204,8 @@ fn count_agreement(model: &str, edge: &InferResponse, cloud: &InferResponse) {
 }
 
 /// Where a synchronous escalation's answer comes from.
-pub async fn escalate(
-    tiers: &Tiers,
+async fn escalate(
+    cloud_tier: &CloudTier,
     policy: &CascadePolicy,
     model: &LoadedModel,
     req: &InferRequest,
@@ -138,7 +214,7 @@ pub async fn escalate(
     node: &str,
 ) -> InferResponse {
     count_escalation(model.name(), "sync");
-    let answer = tiers
+    let answer = cloud_tier
         .cloud
         .infer(model.name(), policy.cloud_model(model.name()), req, cloud_deadline)
         .await
@@ -157,8 +233,8 @@ pub async fn escalate(
 
 /// `quality`: the cloud first; the edge answer (already computed) when the
 /// cloud fails, or `cloud_unavailable` where fallback is off.
-pub fn quality(
-    tiers: &Tiers,
+fn quality(
+    cloud_tier: &CloudTier,
     model: &LoadedModel,
     req: &InferRequest,
     edge: InferResponse,
@@ -170,7 +246,7 @@ pub fn quality(
             count_agreement(model.name(), &edge, &cloud);
             Ok(cloud)
         }
-        Err(e) if tiers.cloud.options.fallback => {
+        Err(e) if cloud_tier.cloud.options.fallback => {
             tracing::debug!(id = %req.id, "quality request for {} answered from the edge: {e}", model.name());
             Ok(degrade(model.name(), edge))
         }
@@ -182,7 +258,7 @@ pub fn quality(
 
 /// Hands an async escalation to the spool. On success the device gets
 /// `edge` now with `final: false`; otherwise it is answered synchronously.
-pub async fn spool(
+async fn spool_escalation(
     spool: &Spool,
     policy: &CascadePolicy,
     model: &str,
@@ -228,36 +304,8 @@ pub fn finish(
     reply.id = req.id.clone();
     reply.parameters.is_final = Some(true);
     let encoding = Encoding::from_content_type(entry.route.content_type.as_deref());
-    Some(FollowUp { route: entry.route.clone(), payload: super::encode(&req.id, Ok(reply), encoding) })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::protocol::TensorData;
-
-    fn probs(rows: &[&[f32]]) -> Vec<RawOutput> {
-        vec![RawOutput {
-            name: "probabilities".into(),
-            shape: vec![rows.len(), rows[0].len()],
-            data: TensorData::F32(rows.iter().flat_map(|r| r.iter().copied()).collect()),
-        }]
-    }
-
-    #[test]
-    fn confidence_is_the_worst_rows_max_or_margin() {
-        let registry = crate::model::Registry::load(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models"),
-            &crate::model::RuntimeOptions { batch_sizes: vec![1], ..Default::default() },
-        )
-        .unwrap();
-        let model = registry.get("digits", None).unwrap();
-        let out = probs(&[&[0.9, 0.05, 0.05], &[0.5, 0.4, 0.1]]);
-        assert_eq!(confidence(&model, &out, Confidence::Max), Some(0.5));
-        let margin = confidence(&model, &out, Confidence::Margin).unwrap();
-        assert!((margin - 0.1).abs() < 1e-6, "{margin}");
-        let sure = probs(&[&[0.1, 0.85, 0.05]]);
-        let margin = confidence(&model, &sure, Confidence::Margin).unwrap();
-        assert!((margin - 0.75).abs() < 1e-6, "{margin}");
-    }
+    Some(FollowUp {
+        route: entry.route.clone(),
+        payload: crate::protocol::codec::encode_reply(&req.id, Ok(reply), encoding),
+    })
 }

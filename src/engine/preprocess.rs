@@ -4,6 +4,8 @@
 use crate::config::LimitsConfig;
 use crate::model::LoadedModel;
 use crate::protocol::{Datatype, InferError, InferRequest, TensorData};
+use crate::telemetry::{self, Stage};
+use std::time::Instant;
 
 /// Input ready for the model: `rows` rows, typed as the model's input.
 #[derive(Debug, Clone, PartialEq)]
@@ -13,6 +15,17 @@ pub struct Prepared {
 }
 
 pub fn prepare(
+    model: &LoadedModel,
+    req: &InferRequest,
+    limits: &LimitsConfig,
+) -> Result<Prepared, InferError> {
+    let started = Instant::now();
+    let prepared = check_and_type(model, req, limits)?;
+    telemetry::observe_stage(model.name(), Stage::Preprocess, started.elapsed().as_secs_f64());
+    Ok(prepared)
+}
+
+fn check_and_type(
     model: &LoadedModel,
     req: &InferRequest,
     limits: &LimitsConfig,

@@ -37,6 +37,11 @@ impl Runner {
         Runner { model, queue }
     }
 
+    /// The model version these threads run.
+    pub fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
+    }
+
     pub async fn run(
         &self,
         prepared: Prepared,

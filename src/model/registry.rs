@@ -17,8 +17,8 @@ pub struct Refused {
 
 #[derive(Debug, Default)]
 pub struct Registry {
-    /// name -> version -> model, versions in serving order (see `version_key`).
-    models: BTreeMap<String, BTreeMap<VersionKey, Arc<LoadedModel>>>,
+    /// name -> version -> model, versions in serving order (see `VersionKey`).
+    models: Versions<Arc<LoadedModel>>,
     pub refused: Vec<Refused>,
 }
 
@@ -99,14 +99,52 @@ impl Registry {
     }
 
     pub fn insert(&mut self, model: Arc<LoadedModel>) {
-        self.models
-            .entry(model.name().to_string())
-            .or_default()
-            .insert(VersionKey::of(model.version()), model);
+        let (name, version) = (model.name().to_string(), VersionKey::of(model.version()));
+        self.models.by_name.entry(name).or_default().insert(version, model);
     }
 
-    /// The named version, or the active (highest) one.
+    /// The version a request names, or the active one.
     pub fn get(&self, name: &str, version: Option<&str>) -> Result<Arc<LoadedModel>, InferError> {
+        self.models.get(name, version).cloned()
+    }
+
+    /// Active versions, by name.
+    pub fn active(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.models.active()
+    }
+
+    /// Every loaded version of every model.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
+        self.models.all()
+    }
+
+    pub fn versions(&self, name: &str) -> Vec<String> {
+        self.models.by_name.get(name).map(|v| v.keys().map(|k| k.1.clone()).collect()).unwrap_or_default()
+    }
+
+    /// Something per loaded version (its inference threads, say), looked up
+    /// by name and version exactly as the models are.
+    pub fn map<T>(&self, f: impl FnMut(&Arc<LoadedModel>) -> T) -> Versions<T> {
+        self.models.map(f)
+    }
+}
+
+/// Per model name, its versions: the newest is the active one.
+#[derive(Debug)]
+pub struct Versions<T> {
+    by_name: BTreeMap<String, BTreeMap<VersionKey, T>>,
+}
+
+impl<T> Default for Versions<T> {
+    fn default() -> Self {
+        Versions { by_name: BTreeMap::new() }
+    }
+}
+
+impl<T> Versions<T> {
+    /// Version `version` of model `name`, or its active version; the error
+    /// names what this node has instead.
+    pub fn get(&self, name: &str, version: Option<&str>) -> Result<&T, InferError> {
         if !valid_model_name(name) {
             return Err(InferError::unknown_model(format!(
                 "model name {name:?} is not valid: model names use letters, digits, '.', '_' and '-'; \
@@ -114,15 +152,15 @@ impl Registry {
                 self.known()
             )));
         }
-        let Some(versions) = self.models.get(name) else {
+        let Some(versions) = self.by_name.get(name) else {
             return Err(InferError::unknown_model(format!(
                 "no model {name:?} on this node; known models: {}",
                 self.known()
             )));
         };
         match version {
-            None => Ok(versions.values().next_back().expect("a listed model has a version").clone()),
-            Some(v) => versions.get(&VersionKey::of(v)).cloned().ok_or_else(|| {
+            None => Ok(versions.values().next_back().expect("a listed model has a version")),
+            Some(v) => versions.get(&VersionKey::of(v)).ok_or_else(|| {
                 InferError::unknown_model(format!(
                     "parameters.model_version {v:?}: model {name} has versions {}",
                     versions.keys().map(|k| k.1.as_str()).collect::<Vec<_>>().join(", ")
@@ -131,25 +169,28 @@ impl Registry {
         }
     }
 
-    /// Active versions, by name.
-    pub fn active(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
-        self.models.values().filter_map(|v| v.values().next_back())
+    pub fn active(&self) -> impl Iterator<Item = &T> {
+        self.by_name.values().filter_map(|v| v.values().next_back())
     }
 
-    /// Every loaded version of every model.
-    pub fn all(&self) -> impl Iterator<Item = &Arc<LoadedModel>> {
-        self.models.values().flat_map(|v| v.values())
+    pub fn all(&self) -> impl Iterator<Item = &T> {
+        self.by_name.values().flat_map(|v| v.values())
     }
 
-    pub fn versions(&self, name: &str) -> Vec<String> {
-        self.models.get(name).map(|v| v.keys().map(|k| k.1.clone()).collect()).unwrap_or_default()
+    pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> Versions<U> {
+        let by_name = self
+            .by_name
+            .iter()
+            .map(|(name, versions)| (name.clone(), versions.iter().map(|(k, t)| (k.clone(), f(t))).collect()))
+            .collect();
+        Versions { by_name }
     }
 
     fn known(&self) -> String {
-        if self.models.is_empty() {
+        if self.by_name.is_empty() {
             "none (check node.models_dir)".into()
         } else {
-            self.models.keys().cloned().collect::<Vec<_>>().join(", ")
+            self.by_name.keys().cloned().collect::<Vec<_>>().join(", ")
         }
     }
 }

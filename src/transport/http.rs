@@ -1,7 +1,7 @@
 //! The HTTP adapter: Prometheus scrapes, health, OIP model metadata and
 //! `POST .../infer` through the same engine as MQTT.
 
-use crate::engine::{Engine, Target};
+use crate::engine::{Engine, Envelope};
 use crate::protocol::{Encoding, ErrorReply, InferError};
 use axum::Router;
 use axum::body::Body;
@@ -189,23 +189,21 @@ async fn handle(
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
     let encoding = Encoding::from_content_type(content_type);
     let limit = state.engine.max_payload_bytes();
-    let handled = match axum::body::to_bytes(body, limit).await {
-        Ok(bytes) => {
-            let target = Target { version, transport: "http", ..Target::model(model) };
-            state.engine.handle(target, &bytes, encoding).await
-        }
+    let envelope = Envelope { version, transport: "http", ..Envelope::model(model) };
+    let reply = match axum::body::to_bytes(body, limit).await {
+        Ok(bytes) => state.engine.handle(envelope, &bytes, encoding).await,
         Err(_) => state.engine.reject(
-            Target { version, transport: "http", ..Target::model(model) },
-            b"",
+            envelope,
+            String::new(),
             encoding,
             InferError::too_large(format!(
                 "the request body is larger than limits.max_payload_bytes = {limit}; send fewer rows per request"
             )),
         ),
     };
-    let status = match handled.outcome {
+    let status = match reply.outcome {
         Ok(()) => StatusCode::OK,
         Err(code) => StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
     };
-    (status, [(header::CONTENT_TYPE, encoding.content_type())], handled.reply).into_response()
+    (status, [(header::CONTENT_TYPE, encoding.content_type())], reply.payload).into_response()
 }

@@ -3,7 +3,7 @@
 
 use crate::{digits_request, heldout, models_dir};
 use edgeinfer::config::LimitsConfig;
-use edgeinfer::engine::{Engine, EngineOptions, Handled, Target};
+use edgeinfer::engine::{Engine, EngineOptions, Envelope, Reply};
 use edgeinfer::model::{Registry, RuntimeOptions};
 use edgeinfer::protocol::postcard::{WireReply, WireRequest};
 use edgeinfer::protocol::{Encoding, ErrorCode, InferRequest, TensorData, codec};
@@ -19,9 +19,9 @@ fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-fn handle(engine: &Engine, model: &str, payload: &[u8]) -> (Handled, Value) {
-    let handled = rt().block_on(engine.handle(Target::model(model), payload, Encoding::Json));
-    let reply: Value = serde_json::from_slice(&handled.reply).unwrap();
+fn handle(engine: &Engine, model: &str, payload: &[u8]) -> (Reply, Value) {
+    let handled = rt().block_on(engine.handle(Envelope::model(model), payload, Encoding::Json));
+    let reply: Value = serde_json::from_slice(&handled.payload).unwrap();
     (handled, reply)
 }
 
@@ -186,7 +186,7 @@ fn overloaded_when_the_queue_is_full_and_no_request_is_lost() {
     let payload = good_payload();
     let rt = rt();
     let results = rt.block_on(async {
-        let futures = (0..64).map(|_| e.handle(Target::model("digits-large"), &payload, Encoding::Json));
+        let futures = (0..64).map(|_| e.handle(Envelope::model("digits-large"), &payload, Encoding::Json));
         futures_join_all(futures).await
     });
     let overloaded = results.iter().filter(|h| h.outcome == Err(ErrorCode::Overloaded)).count();
@@ -194,7 +194,7 @@ fn overloaded_when_the_queue_is_full_and_no_request_is_lost() {
     assert_eq!(ok + overloaded, 64, "every request gets exactly one final reply");
     assert!(overloaded > 0 && ok > 0, "ok {ok}, overloaded {overloaded}");
     let reply: Value =
-        serde_json::from_slice(&results.iter().find(|h| h.outcome.is_err()).unwrap().reply).unwrap();
+        serde_json::from_slice(&results.iter().find(|h| h.outcome.is_err()).unwrap().payload).unwrap();
     assert!(reply["error"].as_str().unwrap().contains("queue"), "{reply}");
 }
 
@@ -231,10 +231,10 @@ fn postcard_round_trip_and_undecodable_postcard() {
     wire.top_k = Some(2);
     let bytes = postcard::to_stdvec(&wire).unwrap();
     let rt = rt();
-    let target = Target::model("digits");
-    let handled = rt.block_on(e.handle(target, &bytes, Encoding::Postcard));
+    let envelope = Envelope::model("digits");
+    let handled = rt.block_on(e.handle(envelope, &bytes, Encoding::Postcard));
     assert_eq!(handled.outcome, Ok(()));
-    match postcard::from_bytes::<WireReply>(&handled.reply).unwrap() {
+    match postcard::from_bytes::<WireReply>(&handled.payload).unwrap() {
         WireReply::Ok(r) => {
             assert_eq!(r.id, "pc-1");
             assert_eq!(r.label.as_deref(), Some(label.to_string().as_str()));
@@ -243,9 +243,9 @@ fn postcard_round_trip_and_undecodable_postcard() {
         }
         other => panic!("expected a result, got {other:?}"),
     }
-    let handled = rt.block_on(e.handle(target, b"\xff\xff\xff\xff\xff", Encoding::Postcard));
+    let handled = rt.block_on(e.handle(envelope, b"\xff\xff\xff\xff\xff", Encoding::Postcard));
     assert_eq!(handled.outcome, Err(ErrorCode::InvalidPayload));
-    match codec::decode_reply(&handled.reply, Encoding::Postcard).unwrap() {
+    match codec::decode_reply(&handled.payload, Encoding::Postcard).unwrap() {
         Err(err) => {
             assert_eq!(err.parameters.code, ErrorCode::InvalidPayload);
             assert!(err.error.contains("postcard"), "{}", err.error);

@@ -2,7 +2,7 @@
 //! and refusal of a tampered model while good ones still load.
 
 use crate::{heldout, models_dir};
-use edgeinfer::engine::{Engine, EngineOptions, Target};
+use edgeinfer::engine::{Engine, EngineOptions, Envelope};
 use edgeinfer::model::{LoadError, LoadedModel, Registry, RuntimeOptions};
 use edgeinfer::protocol::{InferRequest, InputTensor, TensorData};
 use std::path::Path;
@@ -33,7 +33,7 @@ fn accuracy(engine: &Engine, model: &str) -> f64 {
             outputs: vec![],
             parameters: Default::default(),
         };
-        let resp = rt.block_on(engine.infer(Target::model(model), req)).unwrap();
+        let resp = rt.block_on(engine.infer(Envelope::model(model), req)).unwrap();
         let probs = resp.outputs[0].data.to_f64();
         for (row, (label, _)) in chunk.iter().enumerate() {
             let p = &probs[row * 10..(row + 1) * 10];

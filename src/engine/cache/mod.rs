@@ -13,8 +13,9 @@ pub use disk::DiskStats;
 pub use key::Key;
 
 use crate::config::Config;
+use crate::model::LoadedModel;
 use crate::protocol::postcard::WireResponse;
-use crate::protocol::{CacheStatus, InferResponse};
+use crate::protocol::{CacheStatus, InferRequest, InferResponse, TensorData, Tier};
 use crate::telemetry::{self, CacheHealth};
 use memory::{Flight, Found, Memory};
 use serde::{Deserialize, Serialize};
@@ -90,6 +91,9 @@ pub enum Lookup<'a> {
     Hit(InferResponse),
     /// Run the model, then `store` the answer through the ticket.
     Miss(Ticket<'a>),
+    /// Not cached: the request said `parameters.cache = false`, or the
+    /// model has no TTL.
+    Bypass,
 }
 
 /// The right (and duty) to compute one key's answer; identical requests wait
@@ -150,8 +154,29 @@ impl Cache {
         (self.options.enabled && !ttl.is_zero()).then_some(ttl)
     }
 
-    /// Memory, then disk; on a miss, the ticket to compute the answer. Waits
-    /// while an identical request computes it.
+    /// Stage 4a: the answer to `req` if it is known. Waits while an
+    /// identical request computes it. `tier`: where the node has a cloud
+    /// tier, each tier caches its own answers.
+    pub async fn check(
+        &self,
+        model: &LoadedModel,
+        req: &InferRequest,
+        input: &TensorData,
+        tier: Option<Tier>,
+    ) -> Lookup<'_> {
+        if req.parameters.cache == Some(false) {
+            return Lookup::Bypass;
+        }
+        let Some(ttl) = self.ttl(model.name()) else { return Lookup::Bypass };
+        let key = Key::new(model, req, input);
+        let key = match tier {
+            Some(tier) => key.for_tier(tier),
+            None => key,
+        };
+        self.lookup(model.name(), key, ttl).await
+    }
+
+    /// Memory, then disk, by key; on a miss, the ticket to compute the answer.
     pub async fn lookup(&self, model: &str, key: Key, ttl: Duration) -> Lookup<'_> {
         let now = telemetry::unix_now_ms();
         let found = self.memory.find(&key, now).await;
@@ -184,9 +209,15 @@ impl Cache {
         Lookup::Hit(response)
     }
 
-    /// Keeps a fresh answer: in memory now (waking identical requests),
-    /// on disk through the writer.
-    pub fn store(&self, ticket: Ticket<'_>, response: &InferResponse) {
+    /// The store stage: keeps an answer that ends its request, in memory
+    /// now (waking identical requests) and on disk through the writer. Not
+    /// a degraded one (the cloud may be back next time), not a provisional
+    /// one (`final: false`). An unused ticket lets the next waiter compute.
+    pub fn store(&self, ticket: Option<Ticket<'_>>, response: &InferResponse) {
+        let Some(ticket) = ticket else { return };
+        if response.parameters.degraded || response.parameters.is_final == Some(false) {
+            return;
+        }
         let mut response = response.clone();
         response.id.clear();
         response.parameters.cache = CacheStatus::Miss;

@@ -11,7 +11,7 @@ pub use options::{BrokerAddress, OptionsError, client_options};
 pub use topics::{Topics, valid_reply_topic};
 
 use crate::cloud::{FollowUp, ReplyRoute};
-use crate::engine::{Engine, Target};
+use crate::engine::{Engine, Envelope};
 use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, InferError};
 use crate::telemetry::{State, Status};
@@ -265,7 +265,7 @@ impl MqttService {
         let stats = serde_json::json!({
             "node": self.status.node,
             "interval_s": interval.as_secs(),
-            "models": self.engine.take_stats(interval),
+            "models": self.engine.take_stats(interval).await,
         });
         let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
         if *self.ready_tx.borrow() {
@@ -331,43 +331,52 @@ impl RequestTask {
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
         let encoding = Encoding::from_content_type(props.content_type.as_deref());
-        // MQTT 3.1.1 requests name their reply topic in the payload.
-        let peeked = props.response_topic.is_none().then(|| crate::engine::peek(&publish.payload, encoding));
-        let destination = props.response_topic.clone().or_else(|| peeked.as_ref()?.reply_to.clone());
+        let model = self.topics.model_of(&topic);
+        // Read the payload once: fully for a request we will run, only its
+        // id and reply_to for one we refuse. An MQTT 3.1.1 request names
+        // its reply topic in the payload.
+        let decoded = match (admitted, model) {
+            (true, Some(_)) => Ok(self.engine.decode(&publish.payload, encoding)),
+            _ => Err(crate::engine::peek(&publish.payload, encoding)),
+        };
+        let (id, reply_to) = match &decoded {
+            Ok(d) => (&d.id, &d.reply_to),
+            Err(peek) => (&peek.id, &peek.reply_to),
+        };
+        let destination = props.response_topic.clone().or_else(|| reply_to.clone());
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
             metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
-            let id = peeked.unwrap_or_else(|| crate::engine::peek(&publish.payload, encoding)).id;
             tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
             drop(ticket);
             return;
         };
-        let handled = match (admitted, self.topics.model_of(&topic)) {
-            (false, model) => self.engine.reject(
-                Target { transport: "mqtt", ..Target::model(model.unwrap_or("")) },
-                &publish.payload,
-                encoding,
-                InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later"),
-            ),
-            (true, Some(model)) => {
-                let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
+        let envelope = Envelope { transport: "mqtt", ..Envelope::model(model.unwrap_or("")) };
+        let reply = match decoded {
+            Ok(decoded) => {
                 let route = ReplyRoute {
                     topic: destination.clone(),
                     correlation: props.correlation_data.as_ref().map(|c| c.to_vec()),
                     content_type: props.content_type.clone(),
                 };
-                let target =
-                    Target { model, version: None, deadline, transport: "mqtt", follow_up: Some(&route) };
-                self.engine.handle(target, &publish.payload, encoding).await
+                let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
+                let envelope = Envelope { deadline, follow_up: Some(&route), ..envelope };
+                self.engine.answer(envelope, decoded, encoding).await
             }
-            (true, None) => self.engine.reject(
-                Target { transport: "mqtt", ..Target::model("") },
-                &publish.payload,
+            Err(peek) if !admitted => self.engine.reject(
+                envelope,
+                peek.id,
+                encoding,
+                InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later"),
+            ),
+            Err(peek) => self.engine.reject(
+                envelope,
+                peek.id,
                 encoding,
                 InferError::unknown_model(format!("topic {topic} does not name a model")),
             ),
         };
-        if let Err(code) = handled.outcome {
-            tracing::debug!(id = %handled.id, "request on {topic} answered {code}");
+        if let Err(code) = reply.outcome {
+            tracing::debug!(id = %reply.id, "request on {topic} answered {code}");
         }
         let reply_props = PublishProperties {
             correlation_data: props.correlation_data.clone(),
@@ -376,12 +385,12 @@ impl RequestTask {
         };
         if let Err(e) = self
             .client
-            .publish_with_properties(destination, QoS::AtLeastOnce, false, handled.reply, reply_props)
+            .publish_with_properties(destination, QoS::AtLeastOnce, false, reply.payload, reply_props)
             .await
         {
             // Only when the client is shutting down; the acknowledgement task
             // is gone too, so the broker keeps the request for redelivery.
-            tracing::warn!(id = %handled.id, "reply not handed to the client: {e}");
+            tracing::warn!(id = %reply.id, "reply not handed to the client: {e}");
         }
         drop(ticket);
     }
