@@ -33,21 +33,47 @@ enum Kernel {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// Two blocks (32 channels) a step; the last odd block on AVX2.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// `Avx512` with `vpdpwssd` doing `vpmaddwd` and the add in one.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
     #[cfg(target_arch = "aarch64")]
     Neon,
 }
 
 impl Kernel {
-    fn best() -> Kernel {
+    /// Every kernel this host can run, fastest first. `EDGEINFER_AVX512=off`
+    /// leaves the AVX-512 ones out (to compare, or on a host that
+    /// down-clocks under them).
+    fn available() -> Vec<Kernel> {
+        let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
-        if super::igemm::avx2() {
-            return Kernel::Avx2;
+        {
+            let avx512 = std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
+            if avx512 && std::is_x86_feature_detected!("avx512vnni") {
+                kernels.push(Kernel::Avx512Vnni);
+            }
+            if avx512 {
+                kernels.push(Kernel::Avx512);
+            }
+            if super::igemm::avx2() {
+                kernels.push(Kernel::Avx2);
+            }
         }
         #[cfg(target_arch = "aarch64")]
         if std::arch::is_aarch64_feature_detected!("neon") {
-            return Kernel::Neon;
+            kernels.push(Kernel::Neon);
         }
-        Kernel::Portable
+        kernels.push(Kernel::Portable);
+        kernels
+    }
+
+    fn best() -> Kernel {
+        Kernel::available()[0]
     }
 
     fn name(self) -> &'static str {
@@ -55,6 +81,10 @@ impl Kernel {
             Kernel::Portable => "edgeinfer portable",
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => "edgeinfer avx2 i16x2",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => "edgeinfer avx512 i16x2",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => "edgeinfer avx512 vnni i16x2",
             #[cfg(target_arch = "aarch64")]
             Kernel::Neon => "edgeinfer neon i16",
         }
@@ -87,6 +117,36 @@ struct Packed {
     /// order: `LO` then `HI`.
     lane_bias: Vec<i32>,
     lane_multipliers: Vec<f32>,
+    /// For the AVX-512 kernels, per pair of blocks: `pairs`, `lane_bias`
+    /// and `lane_multipliers` of the two blocks side by side, one 256-bit
+    /// half each (see `wide_layout`). Empty for the other kernels.
+    wide_pairs: Vec<i16>,
+    wide_bias: Vec<i32>,
+    wide_multipliers: Vec<f32>,
+}
+
+impl Packed {
+    /// The AVX-512 order: a 512-bit register holds block `2i` in its low
+    /// half and block `2i + 1` in its high half, and `unpacklo/hi_epi16`
+    /// work per 128-bit lane, so each half sees exactly the AVX2 layout of
+    /// its block: the wide vectors are the two blocks' AVX2 vectors joined.
+    #[cfg(target_arch = "x86_64")]
+    fn wide_layout(&mut self) {
+        /// `a0 b0 a1 b1 ...`: per pair of blocks, their vectors of `n`
+        /// values (`per_block` values a block) interleaved.
+        fn join<T: Copy>(values: &[T], per_block: usize, n: usize) -> Vec<T> {
+            let pairs = values.len() / per_block / 2;
+            (0..pairs)
+                .flat_map(|i| {
+                    let (a, b) = values[2 * i * per_block..(2 * i + 2) * per_block].split_at(per_block);
+                    a.chunks(n).zip(b.chunks(n)).flat_map(|(x, y)| x.iter().chain(y).copied())
+                })
+                .collect()
+        }
+        self.wide_pairs = join(&self.pairs, self.taps * BLOCK, BLOCK);
+        self.wide_bias = join(&self.lane_bias, BLOCK, BLOCK / 2);
+        self.wide_multipliers = join(&self.lane_multipliers, BLOCK, BLOCK / 2);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -111,6 +171,69 @@ impl Eq for QDepthwise {}
 const LO: [usize; 8] = [0, 1, 2, 3, 8, 9, 10, 11];
 const HI: [usize; 8] = [4, 5, 6, 7, 12, 13, 14, 15];
 
+/// `acc + madd(a, b)`, in two instructions or one (VNNI). Macros, not
+/// functions: intrinsics inline only into a function that enables their
+/// target features.
+#[cfg(target_arch = "x86_64")]
+macro_rules! madd_add {
+    ($acc:expr, $a:expr, $b:expr) => {
+        _mm512_add_epi32($acc, _mm512_madd_epi16($a, $b))
+    };
+}
+#[cfg(target_arch = "x86_64")]
+macro_rules! dpwssd {
+    ($acc:expr, $a:expr, $b:expr) => {
+        _mm512_dpwssd_epi32($acc, $a, $b)
+    };
+}
+
+/// An AVX-512 kernel for two blocks (32 channels) of one output pixel:
+/// `block_avx2` with block `2 * pair` in the low half of each register and
+/// the next block in the high half (`Packed::wide_layout`).
+macro_rules! avx512_pair {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $dot:ident) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(&self, plane: &[i16], at: usize, pair: usize, b: &Bounds, dst: &mut [i8]) {
+            use std::arch::x86_64::*;
+            let p = &*self.packed;
+            let tap_pairs = p.taps / 2;
+            debug_assert!(
+                dst.len() == 2 * BLOCK && p.tap_offsets.iter().all(|o| at + o + 2 * BLOCK <= plane.len())
+            );
+            unsafe {
+                let base = plane.as_ptr().add(at);
+                let mut w = p.wide_pairs.as_ptr().add(pair * tap_pairs * 4 * BLOCK) as *const __m512i;
+                let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for taps in p.tap_offsets.chunks_exact(2) {
+                    let xa = _mm512_loadu_si512(base.add(taps[0]) as *const __m512i);
+                    let xb = _mm512_loadu_si512(base.add(taps[1]) as *const __m512i);
+                    lo = $dot!(lo, _mm512_unpacklo_epi16(xa, xb), _mm512_loadu_si512(w));
+                    hi = $dot!(hi, _mm512_unpackhi_epi16(xa, xb), _mm512_loadu_si512(w.add(1)));
+                    w = w.add(2);
+                }
+                // Requantize exactly as `block_avx2` does, 32 lanes at once.
+                let at = pair * 2 * BLOCK;
+                let bias = p.wide_bias.as_ptr().add(at) as *const __m512i;
+                let scale = p.wide_multipliers.as_ptr().add(at);
+                let (vlo, vhi, vz) = (_mm512_set1_ps(b.lo), _mm512_set1_ps(b.hi), _mm512_set1_epi32(b.zero));
+                let lo = _mm512_add_epi32(lo, _mm512_loadu_si512(bias));
+                let hi = _mm512_add_epi32(hi, _mm512_loadu_si512(bias.add(1)));
+                let lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_loadu_ps(scale));
+                let hi = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), _mm512_loadu_ps(scale.add(16)));
+                let lo = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(lo, vlo), vhi)), vz);
+                let hi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(hi, vlo), vhi)), vz);
+                // Per 128-bit lane, LO's four then HI's four: channels 0-7,
+                // 8-15 of the first block, then of the second. The values
+                // are already inside i8, so truncating to bytes is exact.
+                let words = _mm512_packs_epi32(lo, hi);
+                _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi16_epi8(words));
+            }
+        }
+    };
+}
+
 impl QDepthwise {
     /// `spec.weights` is `[channels, kh * kw]`; `geometry` has as many
     /// output channels as input channels.
@@ -118,9 +241,9 @@ impl QDepthwise {
         QDepthwise::build(spec, Kernel::best())
     }
 
-    /// On the portable kernel whatever the host (tests compare both).
-    pub fn portable(spec: ConvSpec) -> TractResult<QDepthwise> {
-        QDepthwise::build(spec, Kernel::Portable)
+    /// The op once per kernel this host can run (the tests compare them all).
+    pub fn every_kernel(spec: ConvSpec) -> TractResult<Vec<QDepthwise>> {
+        Kernel::available().into_iter().map(|kernel| QDepthwise::build(spec.clone(), kernel)).collect()
     }
 
     fn build(spec: ConvSpec, kernel: Kernel) -> TractResult<QDepthwise> {
@@ -171,7 +294,7 @@ impl QDepthwise {
         let pixel_offsets = (0..g.height)
             .flat_map(|y| (0..g.width).map(move |x| ((y + g.pads[0]) * wp + x + g.pads[1]) * channels))
             .collect();
-        let packed = Packed {
+        let mut packed = Packed {
             channels,
             pixel_offsets,
             taps: padded_taps,
@@ -182,7 +305,14 @@ impl QDepthwise {
             multipliers,
             lane_bias,
             lane_multipliers,
+            wide_pairs: Vec::new(),
+            wide_bias: Vec::new(),
+            wide_multipliers: Vec::new(),
         };
+        #[cfg(target_arch = "x86_64")]
+        if matches!(kernel, Kernel::Avx512 | Kernel::Avx512Vnni) {
+            packed.wide_layout();
+        }
         Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel })
     }
 
@@ -227,16 +357,35 @@ impl QDepthwise {
         let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
         let zy = self.spec.output.zero_i8();
         let bounds = Bounds { zero: zy, lo: (lo - zy) as f32, hi: (hi - zy) as f32 };
+        let blocks = channels / BLOCK;
         for (origin, dst) in origins.zip(out.chunks_mut(channels)) {
-            for block in 0..channels / BLOCK {
+            let mut first = 0;
+            #[cfg(target_arch = "x86_64")]
+            if matches!(self.kernel, Kernel::Avx512 | Kernel::Avx512Vnni) {
+                while first + 2 <= blocks {
+                    let at = origin + first * BLOCK;
+                    let dst = &mut dst[first * BLOCK..(first + 2) * BLOCK];
+                    let pair = first / 2;
+                    // SAFETY: chosen only where AVX-512 F and BW (and VNNI
+                    // for that kernel) were detected; reads as for AVX2.
+                    match self.kernel {
+                        Kernel::Avx512Vnni => unsafe { self.pair_avx512_vnni(plane, at, pair, &bounds, dst) },
+                        _ => unsafe { self.pair_avx512(plane, at, pair, &bounds, dst) },
+                    }
+                    first += 2;
+                }
+            }
+            for block in first..blocks {
                 let at = origin + block * BLOCK;
                 let dst = &mut dst[block * BLOCK..(block + 1) * BLOCK];
                 match self.kernel {
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: chosen only where AVX2 was detected; every
-                    // read is inside the plane (the window fits the padded
-                    // image, checked by `output_hw`).
-                    Kernel::Avx2 => unsafe { self.block_avx2(plane, at, block, &bounds, dst) },
+                    // SAFETY: chosen only where AVX2 (implied by AVX-512)
+                    // was detected; every read is inside the plane (the
+                    // window fits the padded image, checked by `output_hw`).
+                    Kernel::Avx2 | Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
+                        self.block_avx2(plane, at, block, &bounds, dst)
+                    },
                     #[cfg(target_arch = "aarch64")]
                     // SAFETY: as above, where NEON was detected.
                     Kernel::Neon => unsafe { self.block_neon(plane, at, block, &bounds, dst) },
@@ -317,6 +466,20 @@ impl QDepthwise {
         }
     }
 
+    avx512_pair!(
+        /// Two blocks at once: the AVX2 kernel on 512-bit registers.
+        pair_avx512,
+        "avx512f,avx512bw",
+        madd_add
+    );
+    avx512_pair!(
+        /// `pair_avx512` with VNNI's `vpdpwssd` (multiply pairs, add both
+        /// products and the accumulator) in place of `vpmaddwd` + `vpaddd`.
+        pair_avx512_vnni,
+        "avx512f,avx512bw,avx512vnni",
+        dpwssd
+    );
+
     /// Per tap, `smlal`/`smlal2` widen and accumulate 16 channels.
     #[cfg(target_arch = "aarch64")]
     #[target_feature(enable = "neon")]
@@ -344,7 +507,7 @@ impl QDepthwise {
         self.requantize(block, &acc, b, dst);
     }
 
-    fn kernel_name(&self) -> &'static str {
+    pub fn kernel_name(&self) -> &'static str {
         self.kernel.name()
     }
 }

@@ -101,10 +101,11 @@ fn geometry() -> impl Strategy<Value = Geometry> {
         .prop_filter("window inside the padded input", |g| g.output_hw().is_ok())
 }
 
-/// A depthwise geometry: the same channels in and out, from one to past
-/// two kernel blocks, partial blocks included.
+/// A depthwise geometry: the same channels in and out, from one to five
+/// kernel blocks (two AVX-512 block pairs and an odd one), partial blocks
+/// included.
 fn depthwise_geometry() -> impl Strategy<Value = Geometry> {
-    (geometry(), prop_oneof![1usize..20, 30usize..40]).prop_map(|(g, channels)| Geometry {
+    (geometry(), prop_oneof![1usize..20, 30usize..40, 60usize..70]).prop_map(|(g, channels)| Geometry {
         in_channels: channels,
         out_channels: channels,
         ..g
@@ -201,10 +202,10 @@ proptest! {
     #[test]
     fn qdepthwise_is_bit_exact((spec, x, images) in depthwise_case()) {
         let want = depthwise_reference(&spec, &x, images);
-        let got = QDepthwise::new(spec.clone()).unwrap().run(&x, images).unwrap();
-        prop_assert_eq!(&got, &want, "{:?}", spec.geometry);
-        let portable = QDepthwise::portable(spec.clone()).unwrap().run(&x, images).unwrap();
-        prop_assert_eq!(portable, want, "portable kernel, {:?}", spec.geometry);
+        for op in QDepthwise::every_kernel(spec.clone()).unwrap() {
+            let got = op.run(&x, images).unwrap();
+            prop_assert_eq!(&got, &want, "{}, {:?}", op.kernel_name(), spec.geometry);
+        }
     }
 
     #[test]
