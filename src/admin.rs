@@ -3,7 +3,7 @@
 //! straight on the store when no node is running.
 
 use crate::config::Config;
-use crate::engine::cache::{Cache, CacheOptions, CacheStats};
+use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +83,7 @@ pub async fn cache_purge(
         }
     }
     let cache = open_store(config, base.as_deref(), no_node).await?;
-    let n = cache.purge(model).await.map_err(AdminError::Store)?;
+    let n = cache.purge(model).await.map_err(|e| AdminError::Store(e.to_string()))?;
     Ok((n, Source::Store(config.node.state_dir.join("cache"))))
 }
 
@@ -140,17 +140,16 @@ async fn open_store(config: &Config, url: Option<&str>, reason: Option<String>) 
     let options = CacheOptions::from_config(config);
     let path = options.dir.clone();
     let cache = Cache::open(CacheOptions { enabled: true, ..options });
+    if let Some(DiskError::Locked(_)) = cache.disk_error() {
+        return Err(AdminError::Busy {
+            path,
+            url: url.unwrap_or("(no http.listen)").into(),
+            reason: reason.unwrap_or_else(|| "no address to ask".into()),
+        });
+    }
     let health = cache.health();
     if !health.disk_enabled {
-        let problem = health.problem.unwrap_or_else(|| "cache.disk_bytes is 0".into());
-        if problem.contains("in use by another process") {
-            return Err(AdminError::Busy {
-                path,
-                url: url.unwrap_or("(no http.listen)").into(),
-                reason: reason.unwrap_or_else(|| "no address to ask".into()),
-            });
-        }
-        return Err(AdminError::Store(problem));
+        return Err(AdminError::Store(health.problem.unwrap_or_else(|| "cache.disk_bytes is 0".into())));
     }
     cache.flush().await;
     Ok(cache)

@@ -1,9 +1,10 @@
 //! edgeinfer: an edge inference appliance.
 //!
 //! The request path is one pipeline shared by every transport
-//! ([`engine::Engine`]): decode, route, preprocess, run, postprocess, reply.
-//! Transports (the `infer` command now, MQTT and HTTP later) only move bytes
-//! in and out of it.
+//! ([`engine::Engine`]): decode, resolve, preprocess, cache, run,
+//! postprocess, cascade, store, encode. The transports (MQTT, HTTP and the
+//! `infer` command) only move bytes in and out of it; [`node::Node`] wires
+//! a serving node together from a config. docs/ARCHITECTURE.md has the map.
 
 pub mod admin;
 pub mod bench;

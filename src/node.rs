@@ -84,10 +84,9 @@ impl Node {
         }
         let engine = Arc::new(engine);
         if let Some((cloud, task)) = spool_task {
-            let weak = Arc::downgrade(&engine);
-            let finish: spool::Finish =
-                Arc::new(move |entry, cloud| weak.upgrade()?.finish_escalation(entry, cloud));
-            tokio::spawn(task.run(cloud, finish, follow_ups));
+            let (settled, settled_rx) = mpsc::unbounded_channel();
+            tokio::spawn(task.run(cloud, settled));
+            engine.finish_escalations(settled_rx, follow_ups);
         }
         tracing::info!("node {}: serving {} over {}", config.node.id, serving(&engine), config.mqtt.url);
         let status = Status::new(&config.node.id, &engine.registry(), unix_now());

@@ -8,7 +8,7 @@ mod client;
 pub mod spool;
 
 pub use breaker::State as BreakerState;
-pub use spool::{Finish, FollowUp, ReplyRoute, Spool, SpoolEntry};
+pub use spool::{Settled, Spool, SpoolEntry};
 
 use crate::config::Config;
 use crate::protocol::{InferRequest, InferResponse, RequestParameters, Tier};

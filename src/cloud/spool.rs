@@ -1,32 +1,16 @@
 //! Async escalations waiting for the cloud, in sled under `state_dir/spool`,
 //! so an outage or a restart loses none. One task owns the store: requests
 //! hand it entries over a channel; it sends them to the cloud oldest first
-//! and hands each finished reply to the transport as a `FollowUp`.
+//! and hands each settled one to the engine, which writes the final reply.
 
 use super::{Cloud, CloudError};
-use crate::protocol::InferResponse;
+use crate::protocol::{InferResponse, ReplyRoute};
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
-
-/// Where a later reply goes: the request's reply topic, correlation data
-/// and content type.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReplyRoute {
-    pub topic: String,
-    pub correlation: Option<Vec<u8>>,
-    pub content_type: Option<String>,
-}
-
-/// A reply sent after the request's first one.
-#[derive(Debug, Clone)]
-pub struct FollowUp {
-    pub route: ReplyRoute,
-    pub payload: Vec<u8>,
-}
 
 /// One escalation waiting for the cloud.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -41,9 +25,14 @@ pub struct SpoolEntry {
     pub route: ReplyRoute,
 }
 
-/// Turns an entry and the cloud's answer (`None`: the cloud will not
-/// answer it) into the reply that ends the request.
-pub type Finish = Arc<dyn Fn(&SpoolEntry, Option<InferResponse>) -> Option<FollowUp> + Send + Sync>;
+/// An escalation the spool is done with: the cloud's answer, or `None`
+/// when the cloud will not give one (refused, or the entry was dropped to
+/// make room). The engine turns it into the reply that ends the request.
+#[derive(Debug)]
+pub struct Settled {
+    pub entry: SpoolEntry,
+    pub cloud: Option<InferResponse>,
+}
 
 /// An entry, and who waits to hear it is on disk.
 type Arrival = (SpoolEntry, tokio::sync::oneshot::Sender<bool>);
@@ -106,11 +95,9 @@ pub fn open(dir: &Path, max_entries: usize, max_bytes: u64) -> Result<(Spool, Sp
 impl SpoolTask {
     /// Runs until every `Spool` handle is gone (the entries left stay on
     /// disk for the next start).
-    pub async fn run(mut self, cloud: Arc<Cloud>, finish: Finish, out: mpsc::UnboundedSender<FollowUp>) {
-        let send = |f: Option<FollowUp>| {
-            if let Some(f) = f {
-                let _ = out.send(f);
-            }
+    pub async fn run(mut self, cloud: Arc<Cloud>, settled: mpsc::UnboundedSender<Settled>) {
+        let send = |entry: SpoolEntry, cloud: Option<InferResponse>| {
+            let _ = settled.send(Settled { entry, cloud });
         };
         let mut resume_at: Option<tokio::time::Instant> = None;
         loop {
@@ -118,7 +105,7 @@ impl SpoolTask {
             while let Ok(arrival) = self.rx.try_recv() {
                 arrived.push(arrival);
             }
-            self.store_all(arrived, &finish, &send).await;
+            self.store_all(arrived, &send).await;
             let oldest = self.db.first().ok().flatten();
             let wake = match (&oldest, resume_at) {
                 (None, _) => Some(None),
@@ -135,7 +122,7 @@ impl SpoolTask {
                 };
                 match arrived {
                     Some(arrival) => {
-                        self.store_all(vec![arrival], &finish, &send).await;
+                        self.store_all(vec![arrival], &send).await;
                         continue;
                     }
                     None => return,
@@ -154,15 +141,15 @@ impl SpoolTask {
                 continue;
             }
             let Ok(request) = serde_json::from_slice(&entry.request) else {
-                send(finish(&entry, None));
+                send(entry, None);
                 self.remove(&key, value.len());
                 continue;
             };
             match cloud.infer(&entry.model, &entry.cloud_model, &request, None).await {
-                Ok(response) => send(finish(&entry, Some(response))),
+                Ok(response) => send(entry, Some(response)),
                 Err(e @ (CloudError::Status { .. } | CloudError::Invalid(_))) if !e.retryable() => {
                     tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", entry.model);
-                    send(finish(&entry, None));
+                    send(entry, None);
                 }
                 Err(_) => {
                     // Kept: the uplink or the cloud is down; the breaker
@@ -177,12 +164,11 @@ impl SpoolTask {
     }
 
     /// Stores what arrived, flushes, then tells each sender.
-    async fn store_all(&mut self, arrived: Vec<Arrival>, finish: &Finish, send: &impl Fn(Option<FollowUp>)) {
+    async fn store_all(&mut self, arrived: Vec<Arrival>, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
         if arrived.is_empty() {
             return;
         }
-        let outcomes: Vec<_> =
-            arrived.into_iter().map(|(e, done)| (self.store(e, finish, send), done)).collect();
+        let outcomes: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e, send), done)).collect();
         let flushed = self.db.flush_async().await.is_ok();
         for (stored, done) in outcomes {
             let _ = done.send(stored && flushed);
@@ -191,7 +177,7 @@ impl SpoolTask {
 
     /// Keeps the entry, dropping the oldest to stay within the bounds; a
     /// dropped one's device gets the edge answer as the final reply.
-    fn store(&mut self, entry: SpoolEntry, finish: &Finish, send: &impl Fn(Option<FollowUp>)) -> bool {
+    fn store(&mut self, entry: SpoolEntry, send: &impl Fn(SpoolEntry, Option<InferResponse>)) -> bool {
         let value = postcard::to_stdvec(&entry).expect("postcard encoding into a Vec cannot fail");
         let len = value.len() as u64;
         while self.entries > 0 && (self.entries >= self.max_entries || self.bytes + len > self.max_bytes) {
@@ -200,7 +186,7 @@ impl SpoolTask {
             self.bytes = self.bytes.saturating_sub(old.len() as u64);
             metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED).increment(1);
             if let Ok(old) = postcard::from_bytes::<SpoolEntry>(&old) {
-                send(finish(&old, None));
+                send(old, None);
             }
         }
         let id = self.db.generate_id().unwrap_or(0);
@@ -255,18 +241,15 @@ mod tests {
     #[test]
     fn the_oldest_make_room_and_end_with_the_edge_answer_and_the_rest_survive_a_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let ended = Arc::new(Mutex::new(Vec::new()));
-        let seen = ended.clone();
-        let finish: Finish = Arc::new(move |e: &SpoolEntry, cloud: Option<InferResponse>| {
+        let ended = Mutex::new(Vec::new());
+        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
             assert!(cloud.is_none(), "a dropped entry never had the cloud's answer");
-            seen.lock().unwrap().push(e.route.topic.clone());
-            None
-        });
-        let send = |_: Option<FollowUp>| {};
+            ended.lock().unwrap().push(e.route.topic);
+        };
         {
             let (_spool, mut task) = open(dir.path(), 3, u64::MAX).unwrap();
             for n in 0..5 {
-                assert!(task.store(entry(n), &finish, &send));
+                assert!(task.store(entry(n), &send));
             }
             assert_eq!(task.entries, 3);
             task.db.flush().unwrap();
@@ -284,7 +267,7 @@ mod tests {
         drop(task);
         drop(_spool);
         let (_spool, mut task) = open(dir.path(), 100, 2 * one).unwrap();
-        assert!(task.store(entry(9), &finish, &send));
+        assert!(task.store(entry(9), &send));
         assert_eq!(task.entries, 2, "the byte bound holds too");
         assert!(task.bytes <= 2 * one);
     }

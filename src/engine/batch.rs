@@ -19,20 +19,21 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-pub type Reply = oneshot::Sender<Result<Vec<RawOutput>, InferError>>;
+/// Where an inference thread sends a queued request's outputs.
+pub type OutputSender = oneshot::Sender<Result<Vec<RawOutput>, InferError>>;
 
 /// One request waiting in a model's queue.
-pub struct Entry {
+pub struct Queued {
     pub prepared: Prepared,
     pub deadline: Option<Instant>,
-    pub reply: Reply,
+    pub reply: OutputSender,
     /// When it joined the queue (for the `queue` stage metric).
     pub enqueued: Instant,
 }
 
 /// Requests run together; rows are packed in queue order.
 pub struct Batch {
-    pub entries: Vec<Entry>,
+    pub entries: Vec<Queued>,
     pub rows: usize,
     /// When its window opened (the first request's arrival at the batcher).
     pub opened: Instant,
@@ -132,7 +133,7 @@ impl Window {
     /// Takes `entry` unless its deadline has passed (then it is answered
     /// `deadline_exceeded`); a deadline closes the window early enough for the
     /// batch to run in time, `expected_run` being the usual run time.
-    pub fn admit(&mut self, entry: Entry, now: Instant, expected_run: Duration) {
+    pub fn admit(&mut self, entry: Queued, now: Instant, expected_run: Duration) {
         if entry.reply.is_closed() {
             return;
         }
@@ -152,7 +153,7 @@ impl Window {
     /// (answered `deadline_exceeded`); `None` when nothing is left.
     pub fn close(self, now: Instant) -> Option<Batch> {
         let Batch { entries, opened, .. } = self.batch;
-        let (live, expired): (Vec<Entry>, Vec<Entry>) =
+        let (live, expired): (Vec<Queued>, Vec<Queued>) =
             entries.into_iter().partition(|e| e.deadline.is_none_or(|d| d > now));
         for entry in expired {
             let _ = entry.reply.send(Err(expired_error()));
@@ -192,7 +193,7 @@ impl Pacing {
 /// Forms the next batch from the shared queue: waits for a first request,
 /// then for more until the window closes. `None` once the queue is closed.
 pub fn next_batch(
-    queue: &Mutex<Receiver<Entry>>,
+    queue: &Mutex<Receiver<Queued>>,
     policy: &BatchPolicy,
     pacing: &Pacing,
     model: &str,
@@ -230,7 +231,7 @@ pub fn next_batch(
 
 /// An inference thread: take the next batch, run it, learn from it.
 pub fn run_batches(
-    queue: &Mutex<Receiver<Entry>>,
+    queue: &Mutex<Receiver<Queued>>,
     policy: &BatchPolicy,
     model: &str,
     run: impl Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError>,
@@ -302,10 +303,10 @@ mod tests {
 
     type Answer = oneshot::Receiver<Result<Vec<RawOutput>, InferError>>;
 
-    fn entry(rows: usize, deadline: Option<Instant>) -> (Entry, Answer) {
+    fn entry(rows: usize, deadline: Option<Instant>) -> (Queued, Answer) {
         let (reply, rx) = oneshot::channel();
         let input = TensorData::F32(vec![0.0; rows * 2]);
-        (Entry { prepared: Prepared { rows, input }, deadline, reply, enqueued: Instant::now() }, rx)
+        (Queued { prepared: Prepared { rows, input }, deadline, reply, enqueued: Instant::now() }, rx)
     }
 
     fn policy(max_batch: usize, max_delay_ms: u64) -> BatchPolicy {
@@ -316,7 +317,7 @@ mod tests {
 
     /// Drives `next_batch` over a queue already holding `entries`, so the
     /// window logic meets the real loop without any waiting.
-    fn batch_of(entries: Vec<Entry>, policy: &BatchPolicy) -> Option<Batch> {
+    fn batch_of(entries: Vec<Queued>, policy: &BatchPolicy) -> Option<Batch> {
         let (tx, rx) = std::sync::mpsc::channel();
         for e in entries {
             tx.send(e).unwrap();
@@ -329,7 +330,7 @@ mod tests {
     fn the_window_closes_at_max_batch() {
         let p = policy(4, 10_000);
         let mut keep = Vec::new();
-        let entries: Vec<Entry> = (0..6)
+        let entries: Vec<Queued> = (0..6)
             .map(|_| {
                 let (e, rx) = entry(1, None);
                 keep.push(rx);
@@ -414,7 +415,7 @@ mod tests {
                     (0..rows * width).map(|i| (case * 10_000 + r * 100 + i) as f32).collect();
                 let (reply, rx) = oneshot::channel();
                 receivers.push((rows, data.clone(), rx));
-                entries.push(Entry {
+                entries.push(Queued {
                     prepared: Prepared { rows, input: TensorData::F32(data) },
                     deadline: None,
                     reply,

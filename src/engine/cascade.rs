@@ -5,12 +5,13 @@
 //! threshold), asks it within the request's deadline, and marks what the
 //! device gets (`served_by`, `degraded`, `final`).
 
+use super::envelope::Envelope;
 use super::postprocess::{self, EdgeAnswer};
-use super::{EngineOptions, Envelope};
-use crate::cloud::{Cloud, CloudError, FollowUp, ReplyRoute, Spool, SpoolEntry};
+use crate::cloud::{Cloud, CloudError, Spool, SpoolEntry};
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::{
-    Confidence, Encoding, Enrich, InferError, InferRequest, InferResponse, ServedBy, Tier,
+    Confidence, Encoding, Enrich, FollowUp, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy,
+    Tier,
 };
 use crate::telemetry;
 use std::future::Future;
@@ -67,15 +68,16 @@ pub struct Cascade<'a> {
 }
 
 impl<'a> Cascade<'a> {
+    /// `policy`: the model's; it matters only where there is a cloud tier.
     pub fn plan(
         cloud_tier: Option<&'a CloudTier>,
-        options: &'a EngineOptions,
-        model: &str,
+        policy: &'a CascadePolicy,
+        node: &'a str,
         req: &InferRequest,
         envelope: &Envelope<'a>,
         due: Option<Instant>,
     ) -> Cascade<'a> {
-        let escalation = cloud_tier.map(|tier| (tier, options.cascade(model)));
+        let escalation = cloud_tier.map(|tier| (tier, policy));
         let cloud_deadline = due.map(|at| {
             let reserve = cloud_tier.map(|t| t.cloud.options.reserve).unwrap_or_default();
             at.checked_sub(reserve).unwrap_or_else(Instant::now)
@@ -86,7 +88,7 @@ impl<'a> Cascade<'a> {
             enrich: escalation.map(|(_, policy)| req.parameters.enrich.unwrap_or(policy.enrich)),
             follow_up: envelope.follow_up,
             cloud_deadline,
-            node: &options.node_id,
+            node,
         }
     }
 

@@ -2,7 +2,7 @@
 //! reload starts a new generation; requests already running finish on the
 //! one they started with, whose threads stop after.
 
-use super::EngineOptions;
+use super::options::EngineOptions;
 use super::run::Runner;
 use super::stats::Answered;
 use crate::model::{Registry, Versions};

@@ -8,6 +8,7 @@ pub mod cache;
 mod cascade;
 mod deadline;
 mod decode;
+mod envelope;
 mod generation;
 mod options;
 mod postprocess;
@@ -20,13 +21,14 @@ pub use batch::BatchPolicy;
 pub use cache::{Cache, CacheOptions};
 pub use cascade::{CascadePolicy, CloudTier};
 pub use decode::{Decoded, Peek, peek};
+pub use envelope::Envelope;
 pub use options::EngineOptions;
 pub use run::Runner;
 pub use stats::ModelStats;
 
-use crate::cloud::{FollowUp, ReplyRoute, SpoolEntry};
+use crate::cloud::Settled;
 use crate::model::Registry;
-use crate::protocol::{Encoding, ErrorCode, InferError, InferRequest, InferResponse, codec};
+use crate::protocol::{Encoding, ErrorCode, FollowUp, InferError, InferRequest, InferResponse, codec};
 use crate::telemetry::{self, Stage};
 use cache::Lookup;
 use cascade::Cascade;
@@ -35,30 +37,7 @@ use generation::Generation;
 use stats::Stats;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-
-/// What a transport knows about a request besides its payload.
-#[derive(Debug, Clone, Copy)]
-pub struct Envelope<'a> {
-    /// The model the topic or URL names.
-    pub model: &'a str,
-    /// A version named by the transport (`/v2/models/M/versions/V/infer`);
-    /// otherwise `parameters.model_version`, otherwise the active version.
-    pub version: Option<&'a str>,
-    /// A deadline the transport imposes (MQTT 5 Message Expiry), on top of
-    /// `parameters.deadline_ms`; the earlier one wins.
-    pub deadline: Option<Duration>,
-    /// `mqtt`, `http` or `cli`: the `transport` label of the request metrics.
-    pub transport: &'static str,
-    /// Where a second reply can go (MQTT); without one, async enrichment
-    /// is answered synchronously.
-    pub follow_up: Option<&'a ReplyRoute>,
-}
-
-impl<'a> Envelope<'a> {
-    pub fn model(model: &'a str) -> Self {
-        Envelope { model, version: None, deadline: None, transport: "cli", follow_up: None }
-    }
-}
+use tokio::sync::mpsc;
 
 /// The one reply to a request, encoded, and what a transport logs about it.
 #[derive(Debug)]
@@ -160,14 +139,10 @@ impl Engine {
         let runner = resolve::resolve(&generation.runners, &envelope, &req)?;
         let model = runner.model();
         let prepared = preprocess::prepare(model, &req, &generation.options.limits)?;
-        let cascade = Cascade::plan(
-            self.cloud_tier.as_ref(),
-            &generation.options,
-            model.name(),
-            &req,
-            &envelope,
-            deadline.at(),
-        );
+        let options = &generation.options;
+        let policy = options.cascade(model.name());
+        let cascade =
+            Cascade::plan(self.cloud_tier.as_ref(), policy, &options.node_id, &req, &envelope, deadline.at());
         deadline
             .bound(async {
                 let ticket = match self.cache.check(model, &req, &prepared.input, cascade.cache_tier()).await
@@ -242,11 +217,26 @@ impl Engine {
         self.cloud_tier.as_ref().map(|t| t.cloud.breaker_state())
     }
 
-    /// The reply that ends a spooled escalation (the spool task calls it).
-    pub fn finish_escalation(&self, entry: &SpoolEntry, cloud: Option<InferResponse>) -> Option<FollowUp> {
-        let generation = self.current();
-        let model = generation.registry.get(&entry.model, None).ok();
-        cascade::finish(model.as_deref(), entry, cloud, &generation.options.node_id)
+    /// Starts the engine's enrichment task: each escalation the cloud spool
+    /// settled becomes the reply that ends its request, handed to the
+    /// transport. It holds the engine weakly, so a dropped engine ends it.
+    pub fn finish_escalations(
+        self: &Arc<Self>,
+        mut settled: mpsc::UnboundedReceiver<Settled>,
+        follow_ups: mpsc::UnboundedSender<FollowUp>,
+    ) {
+        let engine = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(Settled { entry, cloud }) = settled.recv().await {
+                let Some(engine) = engine.upgrade() else { return };
+                let generation = engine.current();
+                let model = generation.registry.get(&entry.model, None).ok();
+                let node = &generation.options.node_id;
+                if let Some(reply) = cascade::finish(model.as_deref(), &entry, cloud, node) {
+                    let _ = follow_ups.send(reply);
+                }
+            }
+        });
     }
 
     /// Requests answered since start, by model.
@@ -266,8 +256,8 @@ impl Engine {
     }
 
     /// What a status message reports of the engine now.
-    pub fn live(&self) -> telemetry::Live {
-        telemetry::Live {
+    pub fn live(&self) -> telemetry::EngineSnapshot {
+        telemetry::EngineSnapshot {
             registry: self.registry(),
             requests: self.request_counts(),
             cache: self.cache.health(),

@@ -4,7 +4,7 @@
 //! `parameters.model_version`, which wins over the active version. Rollout
 //! routing (canary and shadow versions) belongs here.
 
-use super::Envelope;
+use super::envelope::Envelope;
 use super::run::Runner;
 use crate::model::Versions;
 use crate::protocol::{InferError, InferRequest};

@@ -3,7 +3,7 @@
 //! `overloaded` instead of growing memory) and the inference threads that
 //! form batches from it and run them (see batch.rs).
 
-use super::batch::{BatchPolicy, Entry, run_batches};
+use super::batch::{BatchPolicy, Queued, run_batches};
 use super::preprocess::Prepared;
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::InferError;
@@ -14,12 +14,12 @@ use tokio::sync::oneshot;
 
 pub struct Runner {
     model: Arc<LoadedModel>,
-    queue: SyncSender<Entry>,
+    queue: SyncSender<Queued>,
 }
 
 impl Runner {
     pub fn start(model: Arc<LoadedModel>, policy: BatchPolicy, threads: usize, capacity: usize) -> Runner {
-        let (queue, queued) = sync_channel::<Entry>(capacity.max(1));
+        let (queue, queued) = sync_channel::<Queued>(capacity.max(1));
         let queued = Arc::new(Mutex::new(queued));
         for i in 0..threads.max(1) {
             let model = model.clone();
@@ -51,7 +51,7 @@ impl Runner {
         // Counted before the send: the inference thread may take it at once.
         let depth = metrics::gauge!(crate::telemetry::QUEUE_DEPTH, "model" => self.model.name().to_string());
         depth.increment(1.0);
-        let sent = self.queue.try_send(Entry { prepared, deadline, reply, enqueued: Instant::now() });
+        let sent = self.queue.try_send(Queued { prepared, deadline, reply, enqueued: Instant::now() });
         if sent.is_err() {
             depth.decrement(1.0);
         }

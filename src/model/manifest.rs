@@ -9,7 +9,8 @@ use std::path::Path;
 pub struct Manifest {
     pub name: String,
     pub version: String,
-    /// The model file, relative to the manifest: ONNX (`.onnx`) or a tract NNEF archive (`.nnef.tgz`).
+    /// The model file, relative to the manifest: ONNX (`.onnx`), the only
+    /// format the runtime loads.
     pub file: String,
     /// Hex sha256 of `file`; a model whose file does not match is refused.
     pub sha256: String,

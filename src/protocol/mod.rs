@@ -5,9 +5,11 @@ pub mod codec;
 mod error;
 mod json;
 pub mod postcard;
+mod reply;
 mod types;
 
 pub use error::{ErrorCode, ErrorParameters, ErrorReply, InferError};
+pub use reply::{FollowUp, ReplyRoute};
 pub use types::*;
 
 /// How a payload is encoded; replies use the request's encoding.

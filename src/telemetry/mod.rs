@@ -3,7 +3,7 @@
 
 mod status;
 
-pub use status::{CacheHealth, Live, ModelStatus, State, Status, unix_now, unix_now_ms};
+pub use status::{CacheHealth, EngineSnapshot, ModelStatus, State, Status, unix_now, unix_now_ms};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 

@@ -37,7 +37,7 @@ pub struct Status {
 
 /// What changes while a node runs, for a status snapshot.
 #[derive(Debug, Clone)]
-pub struct Live {
+pub struct EngineSnapshot {
     pub registry: std::sync::Arc<Registry>,
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
@@ -91,7 +91,7 @@ impl Status {
 
     /// The message as of now: `state`, uptime, the models in service, request
     /// counts and the cache.
-    pub fn snapshot(&self, state: State, live: Live) -> Vec<u8> {
+    pub fn snapshot(&self, state: State, live: EngineSnapshot) -> Vec<u8> {
         let mut s = self.clone();
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);

@@ -87,7 +87,8 @@ async fn cache_purge(
     match state.engine.cache().purge(q.model.as_deref()).await {
         Ok(n) => axum::Json(serde_json::json!({"purged_disk_entries": n, "model": q.model})).into_response(),
         Err(e) => {
-            (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(serde_json::json!({"error": e}))).into_response()
+            (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(serde_json::json!({"error": e.to_string()})))
+                .into_response()
         }
     }
 }

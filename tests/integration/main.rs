@@ -1,5 +1,6 @@
 //! Integration tests: the real models, the real pipeline, the real binary.
 
+mod architecture;
 mod cli;
 mod errors;
 mod mlperf;

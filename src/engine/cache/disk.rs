@@ -6,7 +6,7 @@
 //! its key and contents: a record torn by a crash, or damaged on disk, is
 //! detected on read, deleted and counted, never served.
 
-use super::Key;
+use super::key::Key;
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -101,10 +101,29 @@ impl Shared {
     }
 }
 
+/// Why the disk layer could not be had, or could not do what was asked.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DiskError {
+    #[error("{0} is in use by another process (another edgeinfer node?)")]
+    Locked(PathBuf),
+    #[error("cannot open {path}: {reason}")]
+    Broken { path: PathBuf, reason: String },
+    #[error("{broken}; moving it aside to {aside} failed too: {reason}")]
+    NotMovedAside { broken: Box<DiskError>, aside: PathBuf, reason: String },
+    #[error("cannot create {path}: {reason}")]
+    Create { path: PathBuf, reason: String },
+    #[error("cannot start the cache writer thread: {0}")]
+    Thread(String),
+    #[error("the cache writer has stopped")]
+    WriterStopped,
+    #[error("{0}")]
+    Store(String),
+}
+
 enum Op {
     Put { model: String, key: Key, stored_at_ms: u64, expires_at_ms: u64, body: Vec<u8> },
     Remove { model: String, key: Key },
-    Purge { model: Option<String>, done: tokio::sync::oneshot::Sender<Result<u64, String>> },
+    Purge { model: Option<String>, done: tokio::sync::oneshot::Sender<Result<u64, DiskError>> },
     Flush(tokio::sync::oneshot::Sender<()>),
 }
 
@@ -120,22 +139,24 @@ impl Disk {
     /// Opens (or creates) the store at `path`. A store that cannot be opened
     /// is moved aside and replaced by a fresh one; only when even that fails
     /// (or another process holds the store) is there no disk layer.
-    pub fn open(path: &Path, capacity: u64, sweep: Duration) -> Result<Disk, String> {
+    pub fn open(path: &Path, capacity: u64, sweep: Duration) -> Result<Disk, DiskError> {
         let mut problem = None;
         let db = match open_db(path) {
             Ok(db) => db,
-            Err(Refused::Locked(e)) => return Err(e),
-            Err(Refused::Broken(e)) => {
+            Err(locked @ DiskError::Locked(_)) => return Err(locked),
+            Err(broken) => {
                 let aside = quarantine_path(path);
-                std::fs::rename(path, &aside)
-                    .map_err(|r| format!("{e}; moving it aside to {} failed too: {r}", aside.display()))?;
-                let why = format!("{e}; moved it aside to {} and started a fresh store", aside.display());
+                std::fs::rename(path, &aside).map_err(|r| DiskError::NotMovedAside {
+                    broken: Box::new(broken.clone()),
+                    aside: aside.clone(),
+                    reason: r.to_string(),
+                })?;
+                let why =
+                    format!("{broken}; moved it aside to {} and started a fresh store", aside.display());
                 tracing::error!("cache store {}: {why}", path.display());
                 metrics::counter!(telemetry::CACHE_QUARANTINED).increment(1);
                 problem = Some(why);
-                open_db(path).map_err(|e| match e {
-                    Refused::Locked(e) | Refused::Broken(e) => e,
-                })?
+                open_db(path)?
             }
         };
         let shared = Arc::new(Shared {
@@ -150,7 +171,7 @@ impl Disk {
         std::thread::Builder::new()
             .name("cache-writer".into())
             .spawn(move || writer.run(rx, sweep))
-            .map_err(|e| format!("cannot start the cache writer thread: {e}"))?;
+            .map_err(|e| DiskError::Thread(e.to_string()))?;
         Ok(Disk { db, path: path.to_path_buf(), capacity, shared, ops })
     }
 
@@ -198,12 +219,11 @@ impl Disk {
     }
 
     /// Removes every entry (of one model, or all); answers how many went.
-    pub async fn purge(&self, model: Option<&str>) -> Result<u64, String> {
+    pub async fn purge(&self, model: Option<&str>) -> Result<u64, DiskError> {
         let (done, rx) = tokio::sync::oneshot::channel();
-        self.ops
-            .send(Op::Purge { model: model.map(str::to_string), done })
-            .map_err(|_| "the cache writer has stopped".to_string())?;
-        rx.await.map_err(|_| "the cache writer has stopped".to_string())?
+        let op = Op::Purge { model: model.map(str::to_string), done };
+        self.ops.send(op).map_err(|_| DiskError::WriterStopped)?;
+        rx.await.map_err(|_| DiskError::WriterStopped)?
     }
 
     /// Waits until every queued write is on disk.
@@ -233,26 +253,17 @@ impl Disk {
     }
 }
 
-enum Refused {
-    /// Another process has the store open: leave it alone.
-    Locked(String),
-    /// The store is damaged or unreadable.
-    Broken(String),
-}
-
-fn open_db(path: &Path) -> Result<sled::Db, Refused> {
+fn open_db(path: &Path) -> Result<sled::Db, DiskError> {
     let config = sled::Config::new().path(path).cache_capacity(PAGE_CACHE_BYTES).mode(sled::Mode::LowSpace);
+    let broken = |reason: String| DiskError::Broken { path: path.to_path_buf(), reason };
     // sled can panic on some kinds of damage rather than return an error.
     match std::panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
         Ok(Ok(db)) => Ok(db),
         Ok(Err(sled::Error::Io(e))) if e.to_string().contains("could not acquire lock") => {
-            Err(Refused::Locked(format!(
-                "{} is in use by another process (another edgeinfer node?)",
-                path.display()
-            )))
+            Err(DiskError::Locked(path.to_path_buf()))
         }
-        Ok(Err(e)) => Err(Refused::Broken(format!("cannot open {}: {e}", path.display()))),
-        Err(_) => Err(Refused::Broken(format!("cannot open {}: sled panicked reading it", path.display()))),
+        Ok(Err(e)) => Err(broken(e.to_string())),
+        Err(_) => Err(broken("sled panicked reading it".into())),
     }
 }
 
@@ -311,7 +322,7 @@ impl Writer {
                 }
                 Op::Remove { model, key } => self.guard("removing an entry", |w| w.remove(&model, &key)),
                 Op::Purge { model, done } => {
-                    let result = self.purge(model.as_deref()).map_err(|e| e.to_string());
+                    let result = self.purge(model.as_deref()).map_err(|e| DiskError::Store(e.to_string()));
                     let _ = done.send(result);
                 }
                 Op::Flush(done) => {

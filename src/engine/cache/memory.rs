@@ -1,11 +1,28 @@
 //! The memory layer: hot answers, bounded by bytes (quick_cache's CLOCK-Pro
 //! eviction), with single flight for identical concurrent misses.
 
-use super::{Entry, Key};
+use super::key::Key;
+use crate::protocol::InferResponse;
 use crate::telemetry;
 use quick_cache::sync::{Cache, PlaceholderGuard};
 use quick_cache::{DefaultHashBuilder, Lifecycle, Weighter};
 use std::sync::Arc;
+
+/// A cached answer, shared by the layers and every request it serves.
+#[derive(Debug)]
+pub struct Entry {
+    /// The reply with an empty `id`.
+    pub(super) response: InferResponse,
+    pub(super) expires_at_ms: u64,
+    /// Bytes it stands for in the memory bound.
+    pub(super) weight: u64,
+}
+
+impl Entry {
+    fn live_at(&self, now_ms: u64) -> bool {
+        self.expires_at_ms > now_ms
+    }
+}
 
 #[derive(Clone)]
 struct ByBytes;

@@ -9,7 +9,7 @@ mod disk;
 mod key;
 mod memory;
 
-pub use disk::DiskStats;
+pub use disk::{DiskError, DiskStats};
 pub use key::Key;
 
 use crate::config::Config;
@@ -17,7 +17,7 @@ use crate::model::LoadedModel;
 use crate::protocol::postcard::WireResponse;
 use crate::protocol::{CacheStatus, InferRequest, InferResponse, TensorData, Tier};
 use crate::telemetry::{self, CacheHealth};
-use memory::{Flight, Found, Memory};
+use memory::{Entry, Flight, Found, Memory};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -66,22 +66,6 @@ impl CacheOptions {
     }
 }
 
-/// A cached answer, shared by the layers and every request it serves.
-#[derive(Debug)]
-pub struct Entry {
-    /// The reply with an empty `id`.
-    response: InferResponse,
-    expires_at_ms: u64,
-    /// Bytes it stands for in the memory bound.
-    weight: u64,
-}
-
-impl Entry {
-    fn live_at(&self, now_ms: u64) -> bool {
-        self.expires_at_ms > now_ms
-    }
-}
-
 /// Per-entry bookkeeping on top of the encoded reply, in the memory bound.
 const ENTRY_OVERHEAD: u64 = 160;
 
@@ -119,7 +103,7 @@ pub struct Cache {
     memory: Memory,
     disk: Option<disk::Disk>,
     /// Why there is no disk layer, when one was asked for.
-    disk_problem: Option<String>,
+    disk_error: Option<DiskError>,
 }
 
 impl Cache {
@@ -127,25 +111,31 @@ impl Cache {
     /// is logged and left out; the node serves without it.
     pub fn open(options: CacheOptions) -> Cache {
         let memory = Memory::new(if options.enabled { options.memory_bytes } else { 0 });
-        let (mut disk, mut disk_problem) = (None, None);
+        let (mut disk, mut disk_error) = (None, None);
         if options.enabled && options.disk_bytes > 0 {
-            let opened = std::fs::create_dir_all(options.dir.parent().unwrap_or(&options.dir))
-                .map_err(|e| format!("cannot create {}: {e}", options.dir.display()))
-                .and_then(|()| disk::Disk::open(&options.dir, options.disk_bytes, options.sweep_interval));
+            let dir = &options.dir;
+            let opened = std::fs::create_dir_all(dir.parent().unwrap_or(dir))
+                .map_err(|e| DiskError::Create { path: dir.clone(), reason: e.to_string() })
+                .and_then(|()| disk::Disk::open(dir, options.disk_bytes, options.sweep_interval));
             match opened {
                 Ok(d) => disk = Some(d),
                 Err(e) => {
                     tracing::error!("disk cache off: {e}; serving from memory and the model");
                     metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(0.0);
-                    disk_problem = Some(e);
+                    disk_error = Some(e);
                 }
             }
         }
-        Cache { options, memory, disk, disk_problem }
+        Cache { options, memory, disk, disk_error }
     }
 
     pub fn off() -> Cache {
         Cache::open(CacheOptions::off())
+    }
+
+    /// Why the disk layer asked for could not be opened.
+    pub fn disk_error(&self) -> Option<&DiskError> {
+        self.disk_error.as_ref()
     }
 
     /// How long `model`'s answers are kept; `None`: not cached.
@@ -235,7 +225,7 @@ impl Cache {
 
     /// Removes every answer (of one model, or all) from both layers;
     /// answers how many disk entries went.
-    pub async fn purge(&self, model: Option<&str>) -> Result<u64, String> {
+    pub async fn purge(&self, model: Option<&str>) -> Result<u64, DiskError> {
         match model {
             Some(m) => self.memory.retain(|e| e.response.model_name != m),
             None => self.memory.clear(),
@@ -271,7 +261,7 @@ impl Cache {
             memory_entries: self.memory.entries() as u64,
             disk_enabled: disk.as_ref().is_some_and(|d| d.enabled),
             disk_entries: disk.as_ref().map(|d| d.entries).unwrap_or(0),
-            problem: disk.and_then(|d| d.problem).or_else(|| self.disk_problem.clone()),
+            problem: disk.and_then(|d| d.problem).or_else(|| self.disk_error.as_ref().map(|e| e.to_string())),
         }
     }
 

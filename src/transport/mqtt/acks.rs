@@ -23,12 +23,12 @@ pub struct AckQueue {
 }
 
 /// A request's place in the queue; dropping it reports the request finished.
-pub struct Ticket {
+pub struct AckSlot {
     seq: u64,
     tx: mpsc::UnboundedSender<Message>,
 }
 
-impl Drop for Ticket {
+impl Drop for AckSlot {
     fn drop(&mut self) {
         let _ = self.tx.send(Message::Done(self.seq));
     }
@@ -42,11 +42,11 @@ impl AckQueue {
     }
 
     /// Call in arrival order, from the task that reads the connection.
-    pub fn arrived(&mut self, publish: &Publish) -> Ticket {
+    pub fn arrived(&mut self, publish: &Publish) -> AckSlot {
         let seq = self.next;
         self.next += 1;
         let _ = self.tx.send(Message::Arrived(seq, Box::new(publish.clone())));
-        Ticket { seq, tx: self.tx.clone() }
+        AckSlot { seq, tx: self.tx.clone() }
     }
 
     /// Acknowledges every request finished so far (in order), then stops:

@@ -10,12 +10,11 @@ mod topics;
 pub use options::{BrokerAddress, OptionsError, client_options};
 pub use topics::{Topics, valid_reply_topic};
 
-use crate::cloud::{FollowUp, ReplyRoute};
 use crate::engine::{Engine, Envelope};
 use crate::lifecycle::Heartbeat;
-use crate::protocol::{Encoding, InferError};
+use crate::protocol::{Encoding, FollowUp, InferError, ReplyRoute};
 use crate::telemetry::{State, Status};
-use acks::{AckQueue, Ticket};
+use acks::{AckQueue, AckSlot};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, SubscribeReasonCode};
 use rumqttc::v5::{AsyncClient, Event, EventLoop, Request};
@@ -182,14 +181,14 @@ impl MqttService {
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => {
                     let permit = permits.clone().try_acquire_owned().ok();
-                    let ticket = acks.arrived(&publish);
+                    let ack = acks.arrived(&publish);
                     let task = RequestTask {
                         engine: self.engine.clone(),
                         client: client.clone(),
                         topics: self.topics.clone(),
                     };
                     tasks.spawn(async move {
-                        task.handle(publish, permit.is_some(), ticket).await;
+                        task.handle(publish, permit.is_some(), ack).await;
                         drop(permit);
                     });
                 }
@@ -325,9 +324,9 @@ struct RequestTask {
 }
 
 impl RequestTask {
-    /// Answers one request; dropping `ticket` at the end lets its
+    /// Answers one request; dropping `ack` at the end lets its
     /// acknowledgement go out, after the reply was handed to the client.
-    async fn handle(self, publish: Publish, admitted: bool, ticket: Ticket) {
+    async fn handle(self, publish: Publish, admitted: bool, ack: AckSlot) {
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
         let encoding = Encoding::from_content_type(props.content_type.as_deref());
@@ -347,7 +346,7 @@ impl RequestTask {
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
             metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
             tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
-            drop(ticket);
+            drop(ack);
             return;
         };
         let envelope = Envelope { transport: "mqtt", ..Envelope::model(model.unwrap_or("")) };
@@ -392,7 +391,7 @@ impl RequestTask {
             // is gone too, so the broker keeps the request for redelivery.
             tracing::warn!(id = %reply.id, "reply not handed to the client: {e}");
         }
-        drop(ticket);
+        drop(ack);
     }
 }
 
