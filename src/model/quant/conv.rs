@@ -146,7 +146,7 @@ impl QConv {
 
     fn kernel_name(&self) -> String {
         match &self.backend {
-            Backend::Ours(..) => "edgeinfer avx2 i16x2".into(),
+            Backend::Ours(..) => super::igemm::TileKernel::best().name().into(),
             Backend::Tract(w) => w.kernel_name(),
         }
     }

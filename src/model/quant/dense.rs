@@ -120,7 +120,7 @@ impl QDense {
 
     fn kernel_name(&self) -> String {
         match &self.backend {
-            Backend::Ours(_) => "edgeinfer avx2 i16x2".into(),
+            Backend::Ours(_) => super::igemm::TileKernel::best().name().into(),
             Backend::Tract(w) => w.kernel_name(),
         }
     }

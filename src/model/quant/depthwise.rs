@@ -44,20 +44,17 @@ enum Kernel {
 }
 
 impl Kernel {
-    /// Every kernel this host can run, fastest first. `EDGEINFER_AVX512=off`
-    /// leaves the AVX-512 ones out (to compare, or on a host that
-    /// down-clocks under them).
+    /// Every kernel this host can run, fastest first (`EDGEINFER_AVX512=off`
+    /// leaves the AVX-512 ones out, see `igemm::avx512`).
     fn available() -> Vec<Kernel> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            let avx512 = std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
-            if avx512 && std::is_x86_feature_detected!("avx512vnni") {
+            let avx512 = super::igemm::avx512();
+            if avx512.is_some_and(|a| a.vnni) {
                 kernels.push(Kernel::Avx512Vnni);
             }
-            if avx512 {
+            if avx512.is_some() {
                 kernels.push(Kernel::Avx512);
             }
             if super::igemm::avx2() {

@@ -118,24 +118,103 @@ pub fn avx2() -> bool {
     }
 }
 
+/// Whether this host has AVX-512 F and BW (and whether VNNI too), unless
+/// `EDGEINFER_AVX512=off` asks for the AVX2 kernels (to compare, or on a
+/// host that down-clocks under 512-bit work).
+pub fn avx512() -> Option<Avx512> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off")
+    {
+        return Some(Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") });
+    }
+    None
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512 {
+    pub vnni: bool,
+}
+
+/// How a tile is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileKernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// One zmm register per row of the tile, `vpdpwssd` per pair of k.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl TileKernel {
+    /// Every kernel this host can run, fastest first.
+    pub fn available() -> Vec<TileKernel> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512().is_some_and(|a| a.vnni) {
+                kernels.push(TileKernel::Avx512Vnni);
+            }
+            if avx2() {
+                kernels.push(TileKernel::Avx2);
+            }
+        }
+        kernels.push(TileKernel::Portable);
+        kernels
+    }
+
+    /// The best one here.
+    pub fn best() -> TileKernel {
+        TileKernel::available()[0]
+    }
+
+    /// As `models profile` and the plan's node info report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TileKernel::Portable => "edgeinfer portable i16x2",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => "edgeinfer avx2 i16x2",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512Vnni => "edgeinfer avx512 vnni i16x2",
+        }
+    }
+}
+
 /// `left x right`, one `mr x NR` tile at a time, each handed to `emit(row,
 /// col, tile)` with the tile's exact i32 sums (`tile[i * NR + j]` for row
 /// `row + i`, column `col + j`; rows and columns past the ends are zero).
-pub fn product(left: &Left, right: &Right, mut emit: impl FnMut(usize, usize, &[i32])) {
+pub fn product(left: &Left, right: &Right, emit: impl FnMut(usize, usize, &[i32])) {
+    product_on(TileKernel::best(), left, right, emit)
+}
+
+/// `product` on a given kernel (the tests compare them all).
+pub fn product_on(
+    kernel: TileKernel,
+    left: &Left,
+    right: &Right,
+    mut emit: impl FnMut(usize, usize, &[i32]),
+) {
     assert_eq!(left.k, right.k, "product: inner dimensions differ");
     let k2 = left.k.div_ceil(2);
     let mut tile = [0i32; 4 * NR];
-    let use_avx2 = avx2();
     for cp in 0..right.cols.div_ceil(NR) {
         let b = right.panel(cp);
         for rp in 0..left.rows.div_ceil(left.mr) {
             let a = left.panel(rp);
             let tile = &mut tile[..left.mr * NR];
-            match (use_avx2, left.mr) {
+            // SAFETY: each kernel is chosen only where the host has its
+            // features (`TileKernel::available`); the slices are checked.
+            match (kernel, left.mr) {
                 #[cfg(target_arch = "x86_64")]
-                (true, 4) => unsafe { avx2_tile::<4>(a, b, k2, tile) },
+                (TileKernel::Avx512Vnni, 4) => unsafe { avx512_vnni_tile::<4>(a, b, k2, tile) },
                 #[cfg(target_arch = "x86_64")]
-                (true, 1) => unsafe { avx2_tile::<1>(a, b, k2, tile) },
+                (TileKernel::Avx512Vnni, 1) => unsafe { avx512_vnni_tile::<1>(a, b, k2, tile) },
+                #[cfg(target_arch = "x86_64")]
+                (TileKernel::Avx2, 4) => unsafe { avx2_tile::<4>(a, b, k2, tile) },
+                #[cfg(target_arch = "x86_64")]
+                (TileKernel::Avx2, 1) => unsafe { avx2_tile::<1>(a, b, k2, tile) },
                 _ => portable_tile(a, b, k2, left.mr, tile),
             }
             emit(rp * left.mr, cp * NR, tile);
@@ -256,6 +335,46 @@ unsafe fn avx2_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, tile: &mut
     }
 }
 
+/// The register tile on AVX-512 VNNI: a whole 16-column panel is one zmm,
+/// so per pair of k it takes one load of the right panel, `MR` broadcasts
+/// and `MR` `vpdpwssd` (multiply the i16 pairs, add both products and the
+/// accumulator). Even and odd pairs of k go to separate accumulators, so
+/// the additions of one row do not wait on each other.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn avx512_vnni_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, tile: &mut [i32]) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= k2 * MR && b.len() >= k2 * NR && tile.len() >= MR * NR);
+    unsafe {
+        let mut even = [_mm512_setzero_si512(); MR];
+        let mut odd = [_mm512_setzero_si512(); MR];
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // A macro, not a closure: closures do not inherit the function's
+        // target features, so their intrinsics would become calls.
+        macro_rules! step {
+            ($acc:ident, $kp:expr) => {
+                let bv = _mm512_loadu_si512(pb.add($kp * NR) as *const __m512i);
+                for (i, row) in $acc.iter_mut().enumerate() {
+                    *row = _mm512_dpwssd_epi32(*row, _mm512_set1_epi32(*pa.add($kp * MR + i) as i32), bv);
+                }
+            };
+        }
+        let mut kp = 0;
+        while kp + 1 < k2 {
+            step!(even, kp);
+            step!(odd, kp + 1);
+            kp += 2;
+        }
+        if kp < k2 {
+            step!(even, kp);
+        }
+        let out = tile.as_mut_ptr();
+        for i in 0..MR {
+            _mm512_storeu_si512(out.add(i * NR) as *mut __m512i, _mm512_add_epi32(even[i], odd[i]));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,19 +397,22 @@ mod tests {
             let left = Left::pack(&a, m, k, mr, |r| za[r]);
             let bt: Vec<i8> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
             let right = Right::pack_transposed(&bt, n, k, |_| zb);
-            let mut got = vec![0i32; m * n];
-            product(&left, &right, |r0, c0, tile| {
-                for i in 0..mr.min(m - r0) {
-                    for j in 0..NR.min(n - c0) {
-                        got[(r0 + i) * n + c0 + j] = tile[i * NR + j];
+            for kernel in TileKernel::available() {
+                let mut got = vec![0i32; m * n];
+                product_on(kernel, &left, &right, |r0, c0, tile| {
+                    for i in 0..mr.min(m - r0) {
+                        for j in 0..NR.min(n - c0) {
+                            got[(r0 + i) * n + c0 + j] = tile[i * NR + j];
+                        }
                     }
-                }
-            });
-            for i in 0..m {
-                for j in 0..n {
-                    let want: i32 =
-                        (0..k).map(|x| (a[i * k + x] as i32 - za[i]) * (b[x * n + j] as i32 - zb)).sum();
-                    assert_eq!(got[i * n + j], want, "{m}x{k}x{n} mr {mr} at {i},{j}");
+                });
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: i32 =
+                            (0..k).map(|x| (a[i * k + x] as i32 - za[i]) * (b[x * n + j] as i32 - zb)).sum();
+                        let kernel = kernel.name();
+                        assert_eq!(got[i * n + j], want, "{kernel}: {m}x{k}x{n} mr {mr} at {i},{j}");
+                    }
                 }
             }
         }
