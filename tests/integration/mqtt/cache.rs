@@ -340,7 +340,7 @@ impl FullDisk {
             .status()
             .is_ok_and(|s| s.success());
         if !ok {
-            eprintln!("SKIPPED (full disk): cannot mount a tmpfs here (needs root)");
+            crate::skipped("(full disk) cannot mount a tmpfs here (needs root)");
             return None;
         }
         Some(FullDisk(dir))

@@ -420,9 +420,9 @@ fn seldon_mlserver_serving_scikit_learn_is_a_cloud_tier_too() {
             .find(|p| p.is_file())
     });
     let Some(mlserver) = mlserver.filter(|p| p.is_file()) else {
-        eprintln!(
-            "SKIPPED: Seldon MLServer is not installed (python3 -m venv V && V/bin/pip install mlserver \
-             mlserver-sklearn; then MLSERVER_BIN=V/bin/mlserver)"
+        crate::skipped(
+            "Seldon MLServer is not installed (python3 -m venv V && V/bin/pip install mlserver \
+             mlserver-sklearn; then MLSERVER_BIN=V/bin/mlserver)",
         );
         return;
     };

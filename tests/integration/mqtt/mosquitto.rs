@@ -58,7 +58,7 @@ async fn round_trips_for_mqtt5_and_311_and_the_readme_mosquitto_rr_example() {
         assert_eq!(body["id"], "req-17");
         assert_eq!(body["parameters"]["label"], "7");
     } else {
-        eprintln!("SKIPPED (README example): mosquitto_rr is not installed");
+        crate::skipped("(README example) mosquitto_rr is not installed (apt-get install mosquitto-clients)");
     }
 }
 
@@ -172,7 +172,7 @@ async fn mqtts_with_client_certificate_and_password_keeps_the_secret_out_of_logs
         p
     };
     if !std::path::Path::new("/usr/bin/mosquitto_passwd").exists() {
-        eprintln!("SKIPPED: mosquitto_passwd is not installed");
+        crate::skipped("mosquitto_passwd is not installed (apt-get install mosquitto)");
         return;
     }
     let mut ca_params = params(vec![], "edgeinfer test CA");

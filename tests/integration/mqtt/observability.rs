@@ -71,7 +71,7 @@ async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
             assert!(out.status.success(), "promtool check metrics: {said}");
             assert!(said.trim().is_empty(), "promtool has remarks: {said}");
         }
-        None => eprintln!("SKIPPED (promtool): install the Debian package prometheus"),
+        None => crate::skipped("promtool is not installed (apt-get install prometheus)"),
     }
 }
 

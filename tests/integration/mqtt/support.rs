@@ -124,7 +124,7 @@ impl Mosquitto {
             .into_iter()
             .find(|p| std::path::Path::new(p).exists());
         let Some(binary) = binary else {
-            eprintln!("SKIPPED: mosquitto is not installed (apt-get install mosquitto mosquitto-clients)");
+            crate::skipped("mosquitto is not installed (apt-get install mosquitto mosquitto-clients)");
             return None;
         };
         let dir = tempfile::tempdir().unwrap();
