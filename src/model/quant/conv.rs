@@ -107,12 +107,17 @@ impl PartialEq for QConv {
 impl QConv {
     /// On the best kernels for this host.
     pub fn new(spec: ConvSpec) -> TractResult<QConv> {
-        QConv::build(spec, !igemm::avx2())
+        QConv::build(spec, super::gemm::on_tract_kernels())
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
     pub fn on_tract_kernels(spec: ConvSpec) -> TractResult<QConv> {
         QConv::build(spec, true)
+    }
+
+    /// On our kernels (`igemm.rs`) whatever the host (tests compare both).
+    pub fn on_our_kernels(spec: ConvSpec) -> TractResult<QConv> {
+        QConv::build(spec, false)
     }
 
     fn build(spec: ConvSpec, tract: bool) -> TractResult<QConv> {

@@ -89,12 +89,17 @@ impl PartialEq for QDense {
 
 impl QDense {
     pub fn new(spec: DenseSpec) -> TractResult<QDense> {
-        QDense::build(spec, !igemm::avx2())
+        QDense::build(spec, super::gemm::on_tract_kernels())
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
     pub fn on_tract_kernels(spec: DenseSpec) -> TractResult<QDense> {
         QDense::build(spec, true)
+    }
+
+    /// On our kernels (`igemm.rs`) whatever the host (tests compare both).
+    pub fn on_our_kernels(spec: DenseSpec) -> TractResult<QDense> {
+        QDense::build(spec, false)
     }
 
     fn build(spec: DenseSpec, tract: bool) -> TractResult<QDense> {

@@ -30,6 +30,23 @@ impl std::fmt::Debug for Weights {
     }
 }
 
+/// Whether products go to tract-linalg's kernels rather than ours
+/// (`igemm.rs`). Ours beat tract's AVX2 one (which multiplies in 16-bit
+/// lanes one k at a time), but where tract has a VNNI or AMX kernel
+/// (`vpdpbusd`: four byte products per lane, twice our `vpdpwssd`) it runs
+/// those. `EDGEINFER_INT8_GEMM=ours|tract` overrides, to compare.
+pub fn on_tract_kernels() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("EDGEINFER_INT8_GEMM").as_deref() {
+        Ok("ours") => false,
+        Ok("tract") => true,
+        _ => {
+            let name = Weights::new(&[0; 64 * 64], 64, 64, Some(128)).map(|w| w.kernel_name());
+            !super::igemm::avx2() || name.is_ok_and(|n| n.contains("vnni") || n.contains("amx"))
+        }
+    })
+}
+
 impl Weights {
     /// `w` is row-major `m x k`; `n` is the expected number of columns of
     /// the other operand (it decides the kernel's tile shape).

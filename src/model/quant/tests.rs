@@ -214,7 +214,9 @@ proptest! {
         let got = QConv::new(spec.clone()).unwrap().run(&x, images).unwrap();
         prop_assert_eq!(&got, &want, "{:?}", spec.geometry);
         let tract = QConv::on_tract_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
-        prop_assert_eq!(tract, want, "tract kernels, {:?}", spec.geometry);
+        prop_assert_eq!(&tract, &want, "tract kernels, {:?}", spec.geometry);
+        let ours = QConv::on_our_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
+        prop_assert_eq!(ours, want, "our kernels, {:?}", spec.geometry);
     }
 
     #[test]
@@ -242,7 +244,8 @@ proptest! {
         }
         let got = QDense::new(spec.clone()).unwrap().run(&x, rows).unwrap();
         prop_assert_eq!(&got, &want);
-        prop_assert_eq!(QDense::on_tract_kernels(spec).unwrap().run(&x, rows).unwrap(), want, "tract kernels");
+        prop_assert_eq!(&QDense::on_tract_kernels(spec.clone()).unwrap().run(&x, rows).unwrap(), &want, "tract kernels");
+        prop_assert_eq!(QDense::on_our_kernels(spec).unwrap().run(&x, rows).unwrap(), want, "our kernels");
     }
 
     #[test]
