@@ -107,7 +107,12 @@ impl PartialEq for QConv {
 impl QConv {
     /// On the best kernels for this host.
     pub fn new(spec: ConvSpec) -> TractResult<QConv> {
-        QConv::build(spec, super::gemm::on_tract_kernels())
+        let tract = match super::gemm::GemmChoice::here() {
+            super::gemm::GemmChoice::Ours => false,
+            super::gemm::GemmChoice::TractPointwise => spec.geometry.is_pointwise(),
+            super::gemm::GemmChoice::Tract => true,
+        };
+        QConv::build(spec, tract)
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).

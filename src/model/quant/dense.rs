@@ -89,7 +89,7 @@ impl PartialEq for QDense {
 
 impl QDense {
     pub fn new(spec: DenseSpec) -> TractResult<QDense> {
-        QDense::build(spec, super::gemm::on_tract_kernels())
+        QDense::build(spec, super::gemm::GemmChoice::here() == super::gemm::GemmChoice::Tract)
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
