@@ -324,8 +324,17 @@ impl Default for ModelConfig {
 }
 
 const ENV_PREFIX: &str = "EDGEINFER_";
-/// Variables of the command line itself (`--config`, `--log`), not config keys.
-const CLI_VARS: [&str; 3] = ["EDGEINFER_CONFIG", "EDGEINFER_LOG", "EDGEINFER_LOG_FORMAT"];
+/// Variables that are not config keys: the command line's own (`--config`,
+/// `--log`) and the int8 kernel switches (README, "INT8 models"), which
+/// the ops read when a model loads.
+const NOT_KEYS: [&str; 6] = [
+    "EDGEINFER_CONFIG",
+    "EDGEINFER_LOG",
+    "EDGEINFER_LOG_FORMAT",
+    "EDGEINFER_INT8_OPS",
+    "EDGEINFER_INT8_GEMM",
+    "EDGEINFER_AVX512",
+];
 
 impl Config {
     /// The file (if any) with the process environment's overrides on top.
@@ -348,7 +357,7 @@ impl Config {
         };
         let mut overrides: Vec<(String, String)> = env
             .into_iter()
-            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !CLI_VARS.contains(&k.as_str()))
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !NOT_KEYS.contains(&k.as_str()))
             .collect();
         overrides.sort();
         for (var, value) in overrides {
@@ -623,6 +632,13 @@ mod tests {
         );
         let err = Config::load_with_env(None, env(&[("EDGEINFER_NOPE", "1")])).unwrap_err();
         assert!(err.to_string().contains("EDGEINFER_<SECTION>__<KEY>"), "{err}");
+        // The int8 kernel switches are not config keys: a node starts with them set.
+        let switches =
+            [("EDGEINFER_INT8_OPS", "off"), ("EDGEINFER_AVX512", "off"), ("EDGEINFER_INT8_GEMM", "ours")];
+        assert_eq!(
+            Config::load_with_env(None, env(&switches)).unwrap(),
+            Config::load_with_env(None, env(&[])).unwrap()
+        );
         let err =
             Config::load_with_env(None, env(&[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.5")])).unwrap_err();
         assert!(err.to_string().contains("models.digits.threshold"), "{err}");
