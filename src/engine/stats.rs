@@ -115,8 +115,9 @@ impl Stats {
 
 /// How often the owner drains its channel. It polls instead of blocking in
 /// `recv`, because a blocked receiver is woken (a futex call and a context
-/// switch) by every request's sample; measured, that cost the node about 7%
-/// of its throughput. A `take` waits at most this long.
+/// switch) by every request's sample: measured, the node ran 6.7% below
+/// the previous one that way (docs/BENCHMARKS.md). A `take` waits at most
+/// this long.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
 
 /// The owner: one histogram per model, reset at each `Take`.
