@@ -128,7 +128,7 @@ impl Packed {
     /// work per 128-bit lane, so each half sees exactly the AVX2 layout of
     /// its block: the wide vectors are the two blocks' AVX2 vectors joined.
     #[cfg(target_arch = "x86_64")]
-    fn wide_layout(&mut self) {
+    fn with_wide_layout(mut self) -> Packed {
         /// `a0 b0 a1 b1 ...`: per pair of blocks, their vectors of `n`
         /// values (`per_block` values a block) interleaved.
         fn join<T: Copy>(values: &[T], per_block: usize, n: usize) -> Vec<T> {
@@ -143,6 +143,7 @@ impl Packed {
         self.wide_pairs = join(&self.pairs, self.taps * BLOCK, BLOCK);
         self.wide_bias = join(&self.lane_bias, BLOCK, BLOCK / 2);
         self.wide_multipliers = join(&self.lane_multipliers, BLOCK, BLOCK / 2);
+        self
     }
 }
 
@@ -291,7 +292,7 @@ impl QDepthwise {
         let pixel_offsets = (0..g.height)
             .flat_map(|y| (0..g.width).map(move |x| ((y + g.pads[0]) * wp + x + g.pads[1]) * channels))
             .collect();
-        let mut packed = Packed {
+        let packed = Packed {
             channels,
             pixel_offsets,
             taps: padded_taps,
@@ -307,9 +308,10 @@ impl QDepthwise {
             wide_multipliers: Vec::new(),
         };
         #[cfg(target_arch = "x86_64")]
-        if matches!(kernel, Kernel::Avx512 | Kernel::Avx512Vnni) {
-            packed.wide_layout();
-        }
+        let packed = match kernel {
+            Kernel::Avx512 | Kernel::Avx512Vnni => packed.with_wide_layout(),
+            _ => packed,
+        };
         Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel })
     }
 
@@ -356,22 +358,10 @@ impl QDepthwise {
         let bounds = Bounds { zero: zy, lo: (lo - zy) as f32, hi: (hi - zy) as f32 };
         let blocks = channels / BLOCK;
         for (origin, dst) in origins.zip(out.chunks_mut(channels)) {
-            let mut first = 0;
             #[cfg(target_arch = "x86_64")]
-            if matches!(self.kernel, Kernel::Avx512 | Kernel::Avx512Vnni) {
-                while first + 2 <= blocks {
-                    let at = origin + first * BLOCK;
-                    let dst = &mut dst[first * BLOCK..(first + 2) * BLOCK];
-                    let pair = first / 2;
-                    // SAFETY: chosen only where AVX-512 F and BW (and VNNI
-                    // for that kernel) were detected; reads as for AVX2.
-                    match self.kernel {
-                        Kernel::Avx512Vnni => unsafe { self.pair_avx512_vnni(plane, at, pair, &bounds, dst) },
-                        _ => unsafe { self.pair_avx512(plane, at, pair, &bounds, dst) },
-                    }
-                    first += 2;
-                }
-            }
+            let first = self.block_pairs(plane, origin, &bounds, dst);
+            #[cfg(not(target_arch = "x86_64"))]
+            let first = 0;
             for block in first..blocks {
                 let at = origin + block * BLOCK;
                 let dst = &mut dst[block * BLOCK..(block + 1) * BLOCK];
@@ -390,6 +380,27 @@ impl QDepthwise {
                 }
             }
         }
+    }
+
+    /// On the AVX-512 kernels, the pixel's blocks two at a time; returns
+    /// the first block left (the odd last one, or all on other kernels).
+    #[cfg(target_arch = "x86_64")]
+    fn block_pairs(&self, plane: &[i16], origin: usize, bounds: &Bounds, dst: &mut [i8]) -> usize {
+        if !matches!(self.kernel, Kernel::Avx512 | Kernel::Avx512Vnni) {
+            return 0;
+        }
+        let pairs = self.packed.channels / BLOCK / 2;
+        for pair in 0..pairs {
+            let at = origin + pair * 2 * BLOCK;
+            let dst = &mut dst[pair * 2 * BLOCK..(pair + 1) * 2 * BLOCK];
+            // SAFETY: chosen only where AVX-512 F and BW (and VNNI for that
+            // kernel) were detected; reads as for AVX2.
+            match self.kernel {
+                Kernel::Avx512Vnni => unsafe { self.pair_avx512_vnni(plane, at, pair, bounds, dst) },
+                _ => unsafe { self.pair_avx512(plane, at, pair, bounds, dst) },
+            }
+        }
+        2 * pairs
     }
 
     fn block_weights(&self, block: usize) -> &[i16] {

@@ -121,17 +121,15 @@ pub fn avx2() -> bool {
 /// Whether this host has AVX-512 F and BW (and whether VNNI too), unless
 /// `EDGEINFER_AVX512=off` asks for the AVX2 kernels (to compare, or on a
 /// host that down-clocks under 512-bit work).
+#[cfg(target_arch = "x86_64")]
 pub fn avx512() -> Option<Avx512> {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f")
+    let usable = std::is_x86_feature_detected!("avx512f")
         && std::is_x86_feature_detected!("avx512bw")
-        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off")
-    {
-        return Some(Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") });
-    }
-    None
+        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
+    usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
 }
 
+#[cfg(target_arch = "x86_64")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Avx512 {
     pub vnni: bool,
