@@ -9,16 +9,19 @@ use std::time::{Duration, Instant};
 pub struct Deadline {
     start: Instant,
     limit: Option<Duration>,
-    /// `parameters.deadline_ms`, for the error's wording.
+    /// `parameters.deadline_ms` when it is the limit (the earlier one), for
+    /// the error's wording; otherwise the transport's limit is.
     deadline_ms: Option<u64>,
 }
 
 impl Deadline {
     pub fn new(deadline_ms: Option<u64>, transport: Option<Duration>) -> Deadline {
-        let limit = match (deadline_ms.map(Duration::from_millis), transport) {
+        let parameters = deadline_ms.map(Duration::from_millis);
+        let limit = match (parameters, transport) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let deadline_ms = deadline_ms.filter(|_| limit == parameters);
         Deadline { start: Instant::now(), limit, deadline_ms }
     }
 
@@ -46,5 +49,35 @@ impl Deadline {
                 what()
             ))
         })?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::ErrorCode;
+
+    #[tokio::test]
+    async fn a_spent_or_short_deadline_is_an_error_reply_never_a_panic() {
+        // What is left is computed once (checked_sub): a deadline running
+        // out between a check and a subtraction cannot underflow.
+        let spent = Deadline::new(Some(0), None);
+        let err = spent.bound(async { Ok::<_, InferError>(()) }).await.unwrap_err();
+        assert_eq!(err.code, ErrorCode::DeadlineExceeded);
+        assert!(
+            err.message.contains("parameters.deadline_ms = 0 passed before the model could run"),
+            "{}",
+            err.message
+        );
+        let short = Deadline::new(Some(60_000), Some(Duration::from_millis(5)));
+        let slow = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Ok::<_, InferError>(())
+        };
+        let err = short.bound(slow).await.unwrap_err();
+        assert!(err.message.starts_with("the message expiry interval: no answer in time"), "{}", err.message);
+        let open = Deadline::new(None, None);
+        assert_eq!(open.at(), None);
+        assert!(open.bound(async { Ok::<_, InferError>(7) }).await.is_ok());
     }
 }

@@ -1,6 +1,7 @@
 //! Stage 1: bytes to a request, refusing oversized payloads before parsing.
 
 use crate::config::LimitsConfig;
+use crate::protocol::postcard::WireRequest;
 use crate::protocol::{Encoding, InferError, InferRequest, codec};
 
 /// A payload read once: the request, or why it is not one, with the `id`
@@ -46,8 +47,10 @@ pub struct Peek {
 pub fn peek(payload: &[u8], encoding: Encoding) -> Peek {
     match encoding {
         Encoding::Json => serde_json::from_slice::<Peek>(payload).unwrap_or_default(),
-        Encoding::Postcard => match codec::decode_request(payload, encoding) {
-            Ok(req) => Peek { id: req.id, reply_to: req.reply_to },
+        // The wire struct alone: a request refused for its contents (NaN
+        // data, say) still has an id to answer.
+        Encoding::Postcard => match ::postcard::from_bytes::<WireRequest>(payload) {
+            Ok(wire) => Peek { id: wire.id, reply_to: wire.reply_to },
             Err(_) => Peek::default(),
         },
     }

@@ -1,7 +1,7 @@
 //! Bytes to requests and replies to bytes, in either encoding.
 
 use super::postcard::{WireError, WireReply, WireRequest};
-use super::{Encoding, ErrorReply, InferError, InferRequest, InferResponse};
+use super::{Encoding, ErrorReply, InferError, InferRequest, InferResponse, TensorData};
 
 /// Decodes a request. Schema errors name the offending field by its path
 /// (`inputs[0].data[3]`); errors inside `inputs` are `invalid_input`, the rest
@@ -38,9 +38,32 @@ pub fn decode_request(payload: &[u8], encoding: Encoding) -> Result<InferRequest
                      encode it with the crate's protocol types, or send JSON with content type application/json"
                 ))
             })?;
-            Ok(wire.into())
+            let req: InferRequest = wire.into();
+            finite_floats(&req)?;
+            Ok(req)
         }
     }
+}
+
+/// Postcard carries IEEE floats as they are, NaN and infinities included;
+/// JSON cannot, and a model given them answers garbage (and an async
+/// escalation could not be written as JSON for the cloud).
+fn finite_floats(req: &InferRequest) -> Result<(), InferError> {
+    for (n, input) in req.inputs.iter().enumerate() {
+        let bad = match &input.data {
+            TensorData::F32(v) => v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i] as f64)),
+            TensorData::F64(v) | TensorData::Number(v) => {
+                v.iter().position(|x| !x.is_finite()).map(|i| (i, v[i]))
+            }
+            _ => None,
+        };
+        if let Some((i, x)) = bad {
+            return Err(InferError::invalid_input(format!(
+                "inputs[{n}].data element {i} is {x}; send finite numbers (no NaN or infinity)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> InferError {

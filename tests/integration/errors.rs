@@ -254,6 +254,37 @@ fn postcard_round_trip_and_undecodable_postcard() {
     }
 }
 
+/// Postcard carries NaN and infinities that JSON cannot: each is an
+/// `invalid_input` naming the element, and the node keeps answering.
+#[test]
+fn postcard_nan_and_infinity_are_refused_naming_the_element() {
+    let e = engine(EngineOptions::default());
+    let (_, px) = &heldout()[0];
+    let req: InferRequest =
+        serde_json::from_value(digits_request("pc-nan", std::slice::from_ref(px))).unwrap();
+    let rt = rt();
+    for (at, bad) in [(3, f32::NAN), (63, f32::INFINITY), (0, f32::NEG_INFINITY)] {
+        let mut wire = WireRequest::from(req.clone());
+        let mut data: Vec<f32> = px.iter().map(|&x| x as f32).collect();
+        data[at] = bad;
+        wire.inputs[0].data = TensorData::F32(data);
+        let bytes = postcard::to_stdvec(&wire).unwrap();
+        let reply = rt.block_on(e.handle(Envelope::model("digits"), &bytes, Encoding::Postcard));
+        assert_eq!(reply.outcome, Err(ErrorCode::InvalidInput), "{bad} at {at}");
+        let Err(err) = codec::decode_reply(&reply.payload, Encoding::Postcard).unwrap() else {
+            panic!("expected an error reply for {bad}");
+        };
+        assert_eq!(err.id, "pc-nan");
+        assert!(err.error.contains(&format!("inputs[0].data element {at} is")), "{}", err.error);
+        assert!(err.error.contains("finite"), "{}", err.error);
+    }
+    let mut wire = WireRequest::from(req);
+    wire.inputs[0].data = TensorData::F32(px.iter().map(|&x| x as f32).collect());
+    let bytes = postcard::to_stdvec(&wire).unwrap();
+    let reply = rt.block_on(e.handle(Envelope::model("digits"), &bytes, Encoding::Postcard));
+    assert_eq!(reply.outcome, Ok(()), "still serving");
+}
+
 #[test]
 fn multi_row_request_answers_every_row_and_labels_row_zero() {
     let e = engine(EngineOptions::default());

@@ -427,6 +427,9 @@ impl Writer {
         if size > self.capacity {
             return Ok(());
         }
+        // Room first, so that the byte bound holds at every moment, not
+        // only after each write (a stats read in between saw it exceeded).
+        self.evict(size)?;
         let mut order_value = name.as_bytes().to_vec();
         order_value.extend_from_slice(&key.0);
         self.db.open_tree(ORDER_TREE)?.insert(seq.to_be_bytes(), order_value)?;
@@ -437,7 +440,7 @@ impl Writer {
             }
         }
         self.shared.bytes.fetch_add(size, Ordering::Relaxed);
-        self.evict()
+        Ok(())
     }
 
     /// Accounts for a record that was replaced or removed.
@@ -458,10 +461,10 @@ impl Writer {
         Ok(())
     }
 
-    /// Drops the oldest entries until the store is within its bound.
-    fn evict(&mut self) -> sled::Result<()> {
+    /// Drops the oldest entries until `incoming` more bytes fit the bound.
+    fn evict(&mut self, incoming: u64) -> sled::Result<()> {
         let order = self.db.open_tree(ORDER_TREE)?;
-        while self.shared.bytes.load(Ordering::Relaxed) > self.capacity {
+        while self.shared.bytes.load(Ordering::Relaxed) + incoming > self.capacity {
             let Some((_, place)) = order.pop_min()? else { break };
             if place.len() < 32 {
                 continue;

@@ -308,7 +308,10 @@ fn save_unacked(eventloop: &EventLoop, saved: &mut Vec<Publish>) {
     for request in &eventloop.pending {
         if let Request::Publish(p) = request
             && p.qos != QoS::AtMostOnce
-            && !saved.iter().any(|s| s.topic == p.topic && s.payload == p.payload)
+            // The same reply saved at an earlier disconnect (the broker has
+            // not come back since); two devices' identical answers differ in
+            // their correlation data, so properties are part of the identity.
+            && !saved.iter().any(|s| s.topic == p.topic && s.payload == p.payload && s.properties == p.properties)
         {
             let mut p = p.clone();
             p.dup = false;
@@ -437,13 +440,33 @@ mod tests {
         eventloop.pending.push_back(reply("devices/a/replies", b"one"));
         eventloop.pending.push_back(Request::PubAck(PubAck::new(3, None)));
         eventloop.pending.push_back(reply("devices/b/replies", b"two"));
+        // Two requests on one shared reply topic, answered alike: kept apart
+        // by their correlation data.
+        let correlated = |c: &'static [u8]| {
+            let mut p = Publish::new("devices/shared", QoS::AtLeastOnce, "same", None);
+            p.properties = Some(PublishProperties {
+                correlation_data: Some(bytes::Bytes::from_static(c)),
+                ..Default::default()
+            });
+            Request::Publish(p)
+        };
+        eventloop.pending.push_back(correlated(b"c1"));
+        eventloop.pending.push_back(correlated(b"c2"));
         eventloop.pending.push_back(Request::Publish(Publish::new("x", QoS::AtMostOnce, "qos0", None)));
         let mut saved = Vec::new();
         save_unacked(&eventloop, &mut saved);
         // A second disconnect before the broker came back saves nothing twice.
         save_unacked(&eventloop, &mut saved);
         let topics: Vec<&[u8]> = saved.iter().map(|p| &p.topic[..]).collect();
-        assert_eq!(topics, vec![&b"devices/a/replies"[..], &b"devices/b/replies"[..]]);
+        assert_eq!(
+            topics,
+            vec![
+                &b"devices/a/replies"[..],
+                &b"devices/b/replies"[..],
+                &b"devices/shared"[..],
+                &b"devices/shared"[..]
+            ]
+        );
         assert!(saved.iter().all(|p| !p.dup), "republished as new messages");
     }
 
