@@ -81,6 +81,13 @@ impl Breaker {
         }
     }
 
+    /// `admit`, as a guard: dropped before `Permit::report` (its caller
+    /// gave up mid-call, a request's deadline dropping the future), a probe
+    /// is abandoned, so the breaker cannot stay half-open for good.
+    pub fn permit(&self, now: Instant) -> Permit<'_> {
+        Permit { breaker: self, admitted: self.admit(now), reported: false }
+    }
+
     /// The outcome of an admitted call. Returns the new state when it changed.
     pub fn report(&self, admitted: &Admit, ok: bool, now: Instant) -> Option<State> {
         let mut inner = self.lock();
@@ -121,6 +128,34 @@ impl Breaker {
         match *self.lock() {
             Inner::Open { until } => until.saturating_duration_since(now),
             _ => Duration::ZERO,
+        }
+    }
+}
+
+/// An admitted (or refused) call that reports its outcome or, dropped
+/// without one, abandons itself.
+pub struct Permit<'a> {
+    breaker: &'a Breaker,
+    admitted: Admit,
+    reported: bool,
+}
+
+impl Permit<'_> {
+    pub fn refused(&self) -> bool {
+        self.admitted == Admit::Refused
+    }
+
+    /// The call's outcome; the new state when it changed.
+    pub fn report(mut self, ok: bool, now: Instant) -> Option<State> {
+        self.reported = true;
+        self.breaker.report(&self.admitted, ok, now)
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if !self.reported {
+            self.breaker.abandon(&self.admitted);
         }
     }
 }
@@ -180,5 +215,21 @@ mod tests {
         assert_eq!(probe, Admit::Probe);
         b.abandon(&probe);
         assert_eq!(b.admit(Instant::now()), Admit::Probe);
+    }
+
+    #[test]
+    fn a_probe_dropped_without_a_report_frees_the_slot() {
+        let b = Breaker::new(1, Duration::from_secs(5));
+        let t0 = Instant::now();
+        assert_eq!(b.permit(t0).report(false, t0), Some(State::Open));
+        let t1 = t0 + Duration::from_secs(5);
+        let probe = b.permit(t1);
+        assert!(!probe.refused());
+        assert!(b.permit(t1).refused(), "one probe at a time");
+        // Its future was dropped mid-call: no report.
+        drop(probe);
+        let next = b.permit(Instant::now());
+        assert!(!next.refused(), "the next call probes again instead of waiting for a restart");
+        assert_eq!(next.report(true, Instant::now()), Some(State::Closed));
     }
 }

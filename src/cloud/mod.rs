@@ -13,7 +13,7 @@ pub use spool::{Settled, Spool, SpoolEntry};
 use crate::config::Config;
 use crate::protocol::{InferRequest, InferResponse, RequestParameters, Tier};
 use crate::telemetry;
-use breaker::{Admit, Breaker};
+use breaker::Breaker;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
@@ -189,12 +189,13 @@ impl Cloud {
         let Some(left) = deadline.checked_duration_since(now).filter(|d| !d.is_zero()) else {
             return Err(CloudError::NoTime);
         };
-        let admitted = self.breaker.admit(now);
-        if admitted == Admit::Refused {
+        // Dropped without a report (Busy below, or this future dropped by
+        // the request's deadline), an admitted probe is abandoned.
+        let admitted = self.breaker.permit(now);
+        if admitted.refused() {
             return Err(CloudError::BreakerOpen(self.breaker.retry_in(now).as_millis() as u64));
         }
         let Ok(_permit) = self.permits.try_acquire() else {
-            self.breaker.abandon(&admitted);
             return Err(CloudError::Busy);
         };
         let body = cloud_request(req, left);
@@ -206,7 +207,7 @@ impl Cloud {
         metrics::histogram!(telemetry::CLOUD_LATENCY, "model" => edge_model.to_string())
             .record(started.elapsed().as_secs_f64());
         let failed = result.as_ref().err().is_some_and(CloudError::retryable);
-        if let Some(state) = self.breaker.report(&admitted, !failed, Instant::now()) {
+        if let Some(state) = admitted.report(!failed, Instant::now()) {
             metrics::gauge!(telemetry::CLOUD_BREAKER).set(state.gauge());
             match state {
                 BreakerState::Open => tracing::warn!(
