@@ -194,20 +194,57 @@ pub fn reload(
     let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     crate::telemetry::describe_models(&registry);
     engine.reload(Arc::new(registry), EngineOptions::from_config(&config));
-    let mut need_restart = Vec::new();
-    for (section, changed) in [
+    let need_restart = needing_restart(running, &config);
+    Ok((config, Reloaded { serving, refused, need_restart }))
+}
+
+/// The changed settings a reload does not apply: the services and the
+/// cache are built once at start.
+fn needing_restart(running: &Config, next: &Config) -> Vec<&'static str> {
+    let ttl = |c: &Config| {
+        let set = c.models.iter().filter_map(|(m, c)| Some((m.clone(), c.cache_ttl_s?)));
+        set.collect::<std::collections::BTreeMap<_, _>>()
+    };
+    [
         (
             "node.id / node.state_dir",
-            running.node.id != config.node.id || running.node.state_dir != config.node.state_dir,
+            running.node.id != next.node.id || running.node.state_dir != next.node.state_dir,
         ),
-        ("mqtt", running.mqtt != config.mqtt),
-        ("http", running.http != config.http),
-        ("cache", running.cache != config.cache),
-        ("cloud", running.cloud != config.cloud),
-    ] {
-        if changed {
-            need_restart.push(section);
-        }
+        ("mqtt", running.mqtt != next.mqtt),
+        ("http", running.http != next.http),
+        ("cache", running.cache != next.cache),
+        ("models.NAME.cache_ttl_s", ttl(running) != ttl(next)),
+        (
+            "limits.max_payload_bytes (the MQTT Maximum Packet Size announced at connect)",
+            running.limits.max_payload_bytes != next.limits.max_payload_bytes,
+        ),
+        ("cloud", running.cloud != next.cloud),
+    ]
+    .into_iter()
+    .filter_map(|(setting, changed)| changed.then_some(setting))
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_names_the_changes_it_cannot_apply() {
+        let running = Config::default();
+        assert!(needing_restart(&running, &running.clone()).is_empty());
+        let mut applied = running.clone();
+        applied.models.entry("digits".into()).or_default().threshold = 0.5;
+        assert!(needing_restart(&running, &applied).is_empty(), "a threshold is applied by a reload");
+        let mut next = running.clone();
+        next.models.entry("digits".into()).or_default().cache_ttl_s = Some(5);
+        next.limits.max_payload_bytes *= 2;
+        next.models.entry("digits".into()).or_default().threshold = 0.5;
+        let named = needing_restart(&running, &next);
+        assert_eq!(named.len(), 2, "{named:?}");
+        assert!(
+            named[0].starts_with("models.NAME.cache_ttl_s")
+                && named[1].starts_with("limits.max_payload_bytes")
+        );
     }
-    Ok((config, Reloaded { serving, refused, need_restart }))
 }
