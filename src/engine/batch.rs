@@ -243,13 +243,18 @@ pub fn run_batches(
         let started = Instant::now();
         rows_metric.record(batch.rows as f64);
         let waited: Vec<f64> = batch.entries.iter().map(|e| (started - e.enqueued).as_secs_f64()).collect();
-        batch.execute(&run);
+        // The stages are recorded before the replies go out, so a scrape
+        // after a reply always counts its request.
+        batch.execute(|rows, input| {
+            let outputs = run(rows, input);
+            let run_seconds = started.elapsed().as_secs_f64();
+            for &queued in &waited {
+                telemetry::observe_stage(model, Stage::Queue, queued);
+                telemetry::observe_stage(model, Stage::Inference, run_seconds);
+            }
+            outputs
+        });
         let done = Instant::now();
-        let run_seconds = (done - started).as_secs_f64();
-        for queued in waited {
-            telemetry::observe_stage(model, Stage::Queue, queued);
-            telemetry::observe_stage(model, Stage::Inference, run_seconds);
-        }
         pacing.observe(done - opened, done - started);
     }
 }
