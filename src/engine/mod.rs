@@ -266,9 +266,11 @@ impl Engine {
         }
     }
 
-    /// One request through the whole pipeline (cache skipped) on the first
-    /// model in service: the watchdog's proof that requests still flow. A
-    /// node too busy to take it (`overloaded`) is alive.
+    /// One request through the whole pipeline (cache skipped, edge only)
+    /// on the first model in service: the watchdog's proof that requests
+    /// still flow. A node too busy to take it (`overloaded`) is alive. Tier
+    /// `fast`: a zeros input may fall below the model's threshold, and a
+    /// slow cloud must not make a healthy node miss its watchdog.
     pub async fn probe(&self) -> Result<(), String> {
         let registry = self.registry();
         let Some(model) = registry.active().next() else { return Err("no model is in service".into()) };
@@ -284,6 +286,7 @@ impl Engine {
         );
         req.parameters.cache = Some(false);
         req.parameters.deadline_ms = Some(5000);
+        req.parameters.tier = Some(crate::protocol::Tier::Fast);
         match self.infer(Envelope::model(model.name()), req).await {
             Ok(_) => Ok(()),
             Err(e) if e.code == ErrorCode::Overloaded => Ok(()),

@@ -312,3 +312,27 @@ fn multi_row_request_answers_every_row_and_labels_row_zero() {
     assert_eq!(top[0]["label"], reply["parameters"]["label"]);
     assert!(top[0]["confidence"].as_f64() >= top[1]["confidence"].as_f64());
 }
+
+/// The watchdog's probe runs on the edge only: a zeros input below a
+/// model's threshold used to escalate, so a slow cloud made a healthy node
+/// miss its watchdog. Here every answer escalates (threshold 1.0) to a
+/// cloud that never answers; the probe must not even connect to it.
+#[test]
+fn the_watchdog_probe_never_asks_the_cloud_tier() {
+    use edgeinfer::cloud::{Cloud, CloudOptions};
+    use edgeinfer::engine::{CascadePolicy, CloudTier};
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let mut config = edgeinfer::config::Config::default();
+    config.cloud.enabled = true;
+    config.cloud.url = format!("http://{}", silent.local_addr().unwrap());
+    let cloud = Arc::new(Cloud::new(CloudOptions::from_config(&config).unwrap().unwrap()).unwrap());
+    let mut options = EngineOptions::default();
+    let always = edgeinfer::config::ModelConfig { threshold: 1.0, ..Default::default() };
+    options.cascade.insert("digits".into(), CascadePolicy::new(&always));
+    let e = engine(options).with_cloud_tier(CloudTier { cloud, spool: None });
+    let rt = rt();
+    rt.block_on(e.probe()).unwrap();
+    let connected = silent.accept();
+    assert!(connected.is_err(), "the probe connected to the cloud tier: {connected:?}");
+}
