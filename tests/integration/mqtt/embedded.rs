@@ -350,7 +350,13 @@ async fn a_node_started_in_process_serves_then_drains_on_stop() {
     assert_eq!(status["state"], "online", "{status}");
     let (payload, label) = labelled_request("inproc-1", 3);
     c.request("edgeinfer/gw-inproc/infer/digits", payload, "devices/inproc/replies", b"c1", None).await;
-    let (_, body) = c.next_json().await;
+    // The status topic may carry a refresh in between: read by topic.
+    let body = loop {
+        let (publish, body) = c.next_json().await;
+        if &publish.topic[..] == b"devices/inproc/replies" {
+            break body;
+        }
+    };
     assert_eq!(body["id"], "inproc-1", "{body}");
     assert_eq!(body["parameters"]["label"], label, "{body}");
 
@@ -361,5 +367,7 @@ async fn a_node_started_in_process_serves_then_drains_on_stop() {
         let (_, status) = c.next_json().await;
         states.push(status["state"].as_str().unwrap().to_string());
     }
-    assert_eq!(states, ["draining", "offline"]);
+    states.dedup();
+    assert!(states.ends_with(&["draining".to_string(), "offline".to_string()]), "{states:?}");
+    assert!(states.iter().rev().skip(2).all(|s| s == "online"), "{states:?}");
 }
