@@ -68,18 +68,17 @@ pub struct Cascade<'a> {
 }
 
 impl<'a> Cascade<'a> {
-    /// `policy`: the model's; it matters only where there is a cloud tier.
+    /// `escalation`: the cloud tier and the model's policy, where the node
+    /// has a cloud tier.
     pub fn plan(
-        cloud_tier: Option<&'a CloudTier>,
-        policy: &'a CascadePolicy,
+        escalation: Option<(&'a CloudTier, &'a CascadePolicy)>,
         node: &'a str,
         req: &InferRequest,
         envelope: &Envelope<'a>,
         due: Option<Instant>,
     ) -> Cascade<'a> {
-        let escalation = cloud_tier.map(|tier| (tier, policy));
         let cloud_deadline = due.map(|at| {
-            let reserve = cloud_tier.map(|t| t.cloud.options.reserve).unwrap_or_default();
+            let reserve = escalation.map(|(t, _)| t.cloud.options.reserve).unwrap_or_default();
             at.checked_sub(reserve).unwrap_or_else(Instant::now)
         });
         Cascade {

@@ -140,9 +140,9 @@ impl Engine {
         let model = runner.model();
         let prepared = preprocess::prepare(model, &req, &generation.options.limits)?;
         let options = &generation.options;
-        let policy = options.cascade(model.name());
-        let cascade =
-            Cascade::plan(self.cloud_tier.as_ref(), policy, &options.node_id, &req, &envelope, deadline.at());
+        // The policy only matters, and is only looked up, with a cloud tier.
+        let escalation = self.cloud_tier.as_ref().map(|tier| (tier, options.cascade(model.name())));
+        let cascade = Cascade::plan(escalation, &options.node_id, &req, &envelope, deadline.at());
         deadline
             .bound(async {
                 let ticket = match self.cache.check(model, &req, &prepared.input, cascade.cache_tier()).await

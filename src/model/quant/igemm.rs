@@ -163,9 +163,11 @@ impl TileKernel {
         kernels
     }
 
-    /// The best one here.
+    /// The best one here, found once: `product` runs on every inference,
+    /// and `available` allocates and reads the environment.
     pub fn best() -> TileKernel {
-        TileKernel::available()[0]
+        static BEST: std::sync::OnceLock<TileKernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| TileKernel::available()[0])
     }
 
     /// As `models profile` and the plan's node info report it.
