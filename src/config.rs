@@ -126,6 +126,11 @@ pub struct CloudConfig {
     /// Async escalations kept while the cloud is away; the oldest go first.
     pub spool_max_entries: usize,
     pub spool_max_bytes: u64,
+    /// Error answers (5xx, 429) the cloud may give one spooled escalation
+    /// before its device gets the edge answer as final; outages do not count.
+    pub spool_max_attempts: u32,
+    /// A spooled escalation older than this ends with the edge answer.
+    pub spool_max_age_s: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -285,6 +290,8 @@ impl Default for CloudConfig {
             fallback: true,
             spool_max_entries: 10_000,
             spool_max_bytes: 64 * 1024 * 1024,
+            spool_max_attempts: 10,
+            spool_max_age_s: 86_400,
         }
     }
 }
@@ -445,6 +452,8 @@ impl Config {
             ("cloud.retries", cloud.retries as u64, 0..=10),
             ("cloud.breaker_failures", cloud.breaker_failures as u64, 1..=1000),
             ("cloud.spool_max_entries", cloud.spool_max_entries as u64, 1..=10_000_000),
+            ("cloud.spool_max_attempts", cloud.spool_max_attempts as u64, 1..=1000),
+            ("cloud.spool_max_age_s", cloud.spool_max_age_s, 1..=30 * 86_400),
         ] {
             if !range.contains(&value) {
                 return bad(key, format!("{value}: use {} to {}", range.start(), range.end()));

@@ -66,17 +66,22 @@ impl Node {
             Some(options) => {
                 let cloud = Arc::new(Cloud::new(options)?);
                 let dir = config.node.state_dir.join("spool");
-                let spool =
-                    match spool::open(&dir, config.cloud.spool_max_entries, config.cloud.spool_max_bytes) {
-                        Ok((spool, task)) => {
-                            spool_task = Some((cloud.clone(), task));
-                            Some(spool)
-                        }
-                        Err(e) => {
-                            tracing::error!("{e}; async escalations are answered synchronously");
-                            None
-                        }
-                    };
+                let limits = spool::SpoolLimits {
+                    max_entries: config.cloud.spool_max_entries,
+                    max_bytes: config.cloud.spool_max_bytes,
+                    max_attempts: config.cloud.spool_max_attempts,
+                    max_age: Duration::from_secs(config.cloud.spool_max_age_s),
+                };
+                let spool = match spool::open(&dir, limits) {
+                    Ok((spool, task)) => {
+                        spool_task = Some((cloud.clone(), task));
+                        Some(spool)
+                    }
+                    Err(e) => {
+                        tracing::error!("{e}; async escalations are answered synchronously");
+                        None
+                    }
+                };
                 engine = engine.with_cloud_tier(CloudTier { cloud, spool });
                 tracing::info!("cloud tier: {} (escalating below each model's threshold)", config.cloud.url);
             }

@@ -7,9 +7,11 @@ use super::{Cloud, CloudError};
 use crate::protocol::{InferResponse, ReplyRoute};
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// One escalation waiting for the cloud.
@@ -58,11 +60,39 @@ impl Spool {
 
 pub struct SpoolTask {
     db: sled::Db,
+    /// The escalations, keyed by arrival (sled's monotonic ids, big-endian).
+    tree: sled::Tree,
     rx: mpsc::Receiver<Arrival>,
-    max_entries: usize,
-    max_bytes: u64,
+    limits: SpoolLimits,
     entries: usize,
     bytes: u64,
+    /// Entries the cloud answered with an error, and when each may be tried
+    /// again; the ones behind go first meanwhile (in memory: a restart tries
+    /// them at once, their attempt counts are on disk).
+    backoff: HashMap<Vec<u8>, Instant>,
+    /// The whole spool waits until then (the uplink or the cloud is down).
+    paused_until: Option<Instant>,
+}
+
+/// Bounds of the spool (`cloud.spool_*`).
+#[derive(Debug, Clone, Copy)]
+pub struct SpoolLimits {
+    pub max_entries: usize,
+    pub max_bytes: u64,
+    /// Error answers from the cloud an entry may get before it ends with the
+    /// edge answer; connection failures and timeouts (an outage) do not count.
+    pub max_attempts: u32,
+    /// An entry older than this ends with the edge answer, outage or not.
+    pub max_age: Duration,
+}
+
+/// What the store keeps per escalation.
+#[derive(Serialize, Deserialize)]
+struct Stored {
+    attempts: u32,
+    /// When it was spooled, in milliseconds since the Unix epoch.
+    queued_at_ms: u64,
+    entry: SpoolEntry,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -72,13 +102,41 @@ pub struct SpoolError {
     message: String,
 }
 
+/// Why an entry ends without the cloud's answer, for the log and the metric.
+#[derive(Debug, Clone, Copy)]
+enum GiveUp {
+    /// Dropped to make room for newer ones.
+    Room,
+    /// The cloud refused it (4xx, or an answer that is not OIP).
+    Refused,
+    Attempts,
+    Age,
+}
+
+impl GiveUp {
+    fn as_str(self) -> &'static str {
+        match self {
+            GiveUp::Room => "room",
+            GiveUp::Refused => "refused",
+            GiveUp::Attempts => "attempts",
+            GiveUp::Age => "age",
+        }
+    }
+}
+
+/// One cloud call at a time, polled beside new arrivals.
+type Call =
+    std::pin::Pin<Box<dyn Future<Output = (Vec<u8>, Stored, Result<InferResponse, CloudError>)> + Send>>;
+
 /// Opens (or creates) the store; what it holds from before a restart is
 /// sent first.
-pub fn open(dir: &Path, max_entries: usize, max_bytes: u64) -> Result<(Spool, SpoolTask), SpoolError> {
+pub fn open(dir: &Path, limits: SpoolLimits) -> Result<(Spool, SpoolTask), SpoolError> {
     let err = |e: sled::Error| SpoolError { path: dir.display().to_string(), message: e.to_string() };
     let db = sled::Config::new().path(dir).cache_capacity(1024 * 1024).open().map_err(err)?;
+    let tree = db.open_tree("escalations").map_err(err)?;
+    migrate(&db, &tree).map_err(err)?;
     let (mut entries, mut bytes) = (0usize, 0u64);
-    for item in db.iter() {
+    for item in tree.iter() {
         let (_, v) = item.map_err(err)?;
         entries += 1;
         bytes += v.len() as u64;
@@ -87,118 +145,249 @@ pub fn open(dir: &Path, max_entries: usize, max_bytes: u64) -> Result<(Spool, Sp
         tracing::info!("cloud spool: {entries} escalations from before the restart wait for the cloud");
     }
     let (tx, rx) = mpsc::channel(1024);
-    let task = SpoolTask { db, rx, max_entries: max_entries.max(1), max_bytes, entries, bytes };
+    let limits = SpoolLimits {
+        max_entries: limits.max_entries.max(1),
+        max_attempts: limits.max_attempts.max(1),
+        ..limits
+    };
+    let task =
+        SpoolTask { db, tree, rx, limits, entries, bytes, backoff: HashMap::new(), paused_until: None };
     task.gauges();
     Ok((Spool { tx }, task))
 }
 
+/// Entries written by 0.x releases (bare `SpoolEntry`s in the default tree)
+/// move into the current tree under the same keys, counted from now.
+fn migrate(db: &sled::Db, tree: &sled::Tree) -> sled::Result<()> {
+    let now = unix_ms();
+    for item in db.iter() {
+        let (key, value) = item?;
+        if let Ok(entry) = postcard::from_bytes::<SpoolEntry>(&value) {
+            tree.insert(&key, encode(&Stored { attempts: 0, queued_at_ms: now, entry }))?;
+        }
+        db.remove(&key)?;
+    }
+    db.flush()?;
+    Ok(())
+}
+
+fn encode(stored: &Stored) -> Vec<u8> {
+    postcard::to_stdvec(stored).expect("postcard encoding into a Vec cannot fail")
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The wait before an entry the cloud answered with an error is tried
+/// again: 1 s doubling per attempt, at most a minute.
+fn retry_delay(attempts: u32) -> Duration {
+    Duration::from_secs(1 << attempts.saturating_sub(1).min(6)).min(Duration::from_secs(60))
+}
+
+/// What the spool does next.
+enum Next {
+    Call(Vec<u8>, Stored),
+    WaitUntil(Instant),
+    Idle,
+}
+
 impl SpoolTask {
     /// Runs until every `Spool` handle is gone (the entries left stay on
-    /// disk for the next start).
+    /// disk for the next start). New escalations are stored while a cloud
+    /// call is in flight, so a request never waits for the cloud here.
     pub async fn run(mut self, cloud: Arc<Cloud>, settled: mpsc::UnboundedSender<Settled>) {
         let send = |entry: SpoolEntry, cloud: Option<InferResponse>| {
             let _ = settled.send(Settled { entry, cloud });
         };
-        let mut resume_at: Option<tokio::time::Instant> = None;
+        let mut call: Option<Call> = None;
         loop {
-            let mut arrived = Vec::new();
-            while let Ok(arrival) = self.rx.try_recv() {
-                arrived.push(arrival);
-            }
-            self.store_all(arrived, &send).await;
-            let oldest = self.db.first().ok().flatten();
-            let wake = match (&oldest, resume_at) {
-                (None, _) => Some(None),
-                (Some(_), Some(at)) if tokio::time::Instant::now() < at => Some(Some(at)),
-                _ => None,
-            };
-            if let Some(until) = wake {
-                let arrived = match until {
-                    None => self.rx.recv().await,
-                    Some(at) => match tokio::time::timeout_at(at, self.rx.recv()).await {
-                        Ok(arrived) => arrived,
-                        Err(_) => continue,
-                    },
-                };
-                match arrived {
-                    Some(arrival) => {
-                        self.store_all(vec![arrival], &send).await;
-                        continue;
+            let mut wake = None;
+            if call.is_none() {
+                self.expire(&send);
+                match self.next(&cloud) {
+                    Next::Call(key, stored) => {
+                        let cloud = cloud.clone();
+                        call = Some(Box::pin(async move {
+                            let result = match serde_json::from_slice(&stored.entry.request) {
+                                Ok(request) => {
+                                    let e = &stored.entry;
+                                    cloud.infer(&e.model, &e.cloud_model, &request, None).await
+                                }
+                                Err(e) => Err(CloudError::Invalid(format!("the spooled request: {e}"))),
+                            };
+                            (key, stored, result)
+                        }));
                     }
-                    None => return,
+                    Next::WaitUntil(at) => wake = Some(at),
+                    Next::Idle => {}
                 }
             }
-            resume_at = None;
-            let Some((key, value)) = oldest else { continue };
-            let Ok(entry) = postcard::from_bytes::<SpoolEntry>(&value) else {
+            tokio::select! {
+                arrival = self.rx.recv() => {
+                    let Some(arrival) = arrival else { return };
+                    let mut arrived = vec![arrival];
+                    while let Ok(more) = self.rx.try_recv() {
+                        arrived.push(more);
+                    }
+                    self.store_all(arrived, &send).await;
+                }
+                (key, stored, result) = async { call.as_mut().expect("polled only with a call").await }, if call.is_some() => {
+                    call = None;
+                    self.settle(key, stored, result, &send).await;
+                }
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now).into()), if wake.is_some() => {}
+            }
+        }
+    }
+
+    /// The oldest entry that may go to the cloud now, or when to look again.
+    fn next(&mut self, cloud: &Cloud) -> Next {
+        let now = Instant::now();
+        if let Some(at) = self.paused_until.filter(|at| *at > now) {
+            return Next::WaitUntil(at);
+        }
+        self.paused_until = None;
+        self.backoff.retain(|_, at| *at > now);
+        let mut earliest: Option<Instant> = None;
+        for item in self.tree.iter() {
+            let Ok((key, value)) = item else { break };
+            if let Some(at) = self.backoff.get(&key[..]) {
+                earliest = Some(earliest.map_or(*at, |e| e.min(*at)));
+                continue;
+            }
+            let Ok(stored) = postcard::from_bytes::<Stored>(&value) else {
                 tracing::warn!("cloud spool: an unreadable entry was dropped");
                 self.remove(&key, value.len());
                 continue;
             };
             let retry_in = cloud.retry_in();
             if !retry_in.is_zero() {
-                resume_at = Some(tokio::time::Instant::now() + retry_in);
-                continue;
+                return Next::WaitUntil(now + retry_in);
             }
-            let Ok(request) = serde_json::from_slice(&entry.request) else {
-                send(entry, None);
-                self.remove(&key, value.len());
-                continue;
-            };
-            match cloud.infer(&entry.model, &entry.cloud_model, &request, None).await {
-                Ok(response) => send(entry, Some(response)),
-                Err(e @ (CloudError::Status { .. } | CloudError::Invalid(_))) if !e.retryable() => {
-                    tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", entry.model);
-                    send(entry, None);
+            return Next::Call(key.to_vec(), stored);
+        }
+        earliest.map_or(Next::Idle, Next::WaitUntil)
+    }
+
+    /// Ends the entries older than `cloud.spool_max_age_s`, oldest first.
+    fn expire(&mut self, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
+        let oldest_allowed = unix_ms().saturating_sub(self.limits.max_age.as_millis() as u64);
+        while let Ok(Some((key, value))) = self.tree.first() {
+            match postcard::from_bytes::<Stored>(&value) {
+                Ok(stored) if stored.queued_at_ms < oldest_allowed => {
+                    self.remove(&key, value.len());
+                    give_up(GiveUp::Age, stored, send);
                 }
-                Err(_) => {
-                    // Kept: the uplink or the cloud is down; the breaker
-                    // (or this pause) spaces the retries.
-                    resume_at = Some(tokio::time::Instant::now() + Duration::from_millis(200));
-                    continue;
-                }
+                _ => return,
             }
-            self.remove(&key, value.len());
-            let _ = self.db.flush_async().await;
         }
     }
 
-    /// Stores what arrived, flushes, then tells each sender.
-    async fn store_all(&mut self, arrived: Vec<Arrival>, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
-        if arrived.is_empty() {
-            return;
+    /// What a cloud call's outcome does to its entry.
+    async fn settle(
+        &mut self,
+        key: Vec<u8>,
+        mut stored: Stored,
+        result: Result<InferResponse, CloudError>,
+        send: &impl Fn(SpoolEntry, Option<InferResponse>),
+    ) {
+        let Ok(Some(value)) = self.tree.get(&key) else { return };
+        match result {
+            Ok(response) => {
+                self.remove(&key, value.len());
+                send(stored.entry, Some(response));
+            }
+            Err(e) if !e.retryable() && matches!(e, CloudError::Status { .. } | CloudError::Invalid(_)) => {
+                tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", stored.entry.model);
+                self.remove(&key, value.len());
+                give_up(GiveUp::Refused, stored, send);
+            }
+            Err(e @ CloudError::Status { .. }) => {
+                // The cloud answered, with an error: this entry's attempt.
+                stored.attempts += 1;
+                if stored.attempts >= self.limits.max_attempts {
+                    tracing::warn!(
+                        "cloud spool: an escalation of {} failed {} times (last: {e}); \
+                         its device gets the edge answer",
+                        stored.entry.model,
+                        stored.attempts
+                    );
+                    self.remove(&key, value.len());
+                    give_up(GiveUp::Attempts, stored, send);
+                } else {
+                    let value = encode(&stored);
+                    if self.tree.insert(&key[..], value).is_ok() {
+                        self.backoff.insert(key, Instant::now() + retry_delay(stored.attempts));
+                    }
+                }
+            }
+            Err(_) => {
+                // Kept, in its place: the uplink or the cloud is down; the
+                // breaker (or this pause) spaces the retries.
+                self.paused_until = Some(Instant::now() + Duration::from_millis(200));
+            }
         }
-        let outcomes: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e, send), done)).collect();
+        let _ = self.db.flush_async().await;
+    }
+
+    /// Stores what arrived, flushes, then tells each sender. An entry whose
+    /// sender stopped waiting (its request ran out of time and got an
+    /// error reply) or that did not reach the disk is taken out again: it
+    /// must not produce a second final reply.
+    async fn store_all(&mut self, arrived: Vec<Arrival>, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
+        let stored: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e, send), done)).collect();
         let flushed = self.db.flush_async().await.is_ok();
-        for (stored, done) in outcomes {
-            let _ = done.send(stored && flushed);
+        let mut withdrawn = false;
+        for (key, done) in stored {
+            let Some((key, len)) = key else {
+                let _ = done.send(false);
+                continue;
+            };
+            if !flushed || done.send(true).is_err() {
+                self.remove(&key, len);
+                withdrawn = true;
+            }
+        }
+        if withdrawn {
+            let _ = self.db.flush_async().await;
         }
     }
 
     /// Keeps the entry, dropping the oldest to stay within the bounds; a
     /// dropped one's device gets the edge answer as the final reply.
-    fn store(&mut self, entry: SpoolEntry, send: &impl Fn(SpoolEntry, Option<InferResponse>)) -> bool {
-        let value = postcard::to_stdvec(&entry).expect("postcard encoding into a Vec cannot fail");
+    /// Returns its key and size, or `None` where it could not be stored.
+    fn store(
+        &mut self,
+        entry: SpoolEntry,
+        send: &impl Fn(SpoolEntry, Option<InferResponse>),
+    ) -> Option<([u8; 8], usize)> {
+        let value = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry });
         let len = value.len() as u64;
-        while self.entries > 0 && (self.entries >= self.max_entries || self.bytes + len > self.max_bytes) {
-            let Ok(Some((_, old))) = self.db.pop_min() else { break };
+        while self.entries > 0
+            && (self.entries >= self.limits.max_entries || self.bytes + len > self.limits.max_bytes)
+        {
+            let Ok(Some((key, old))) = self.tree.pop_min() else { break };
             self.entries -= 1;
             self.bytes = self.bytes.saturating_sub(old.len() as u64);
-            metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED).increment(1);
-            if let Ok(old) = postcard::from_bytes::<SpoolEntry>(&old) {
-                send(old, None);
+            self.backoff.remove(&key[..]);
+            if let Ok(old) = postcard::from_bytes::<Stored>(&old) {
+                give_up(GiveUp::Room, old, send);
             }
         }
-        let id = self.db.generate_id().unwrap_or(0);
-        let stored = match self.db.insert(id.to_be_bytes(), value) {
+        let key = self.db.generate_id().unwrap_or(0).to_be_bytes();
+        let stored = match self.tree.insert(key, value) {
             Ok(_) => {
                 self.entries += 1;
                 self.bytes += len;
-                true
+                Some((key, len as usize))
             }
             Err(e) => {
                 tracing::warn!("cloud spool: cannot store an escalation ({e}); it is answered synchronously");
-                false
+                None
             }
         };
         self.gauges();
@@ -206,10 +395,11 @@ impl SpoolTask {
     }
 
     fn remove(&mut self, key: &[u8], len: usize) {
-        if let Ok(Some(_)) = self.db.remove(key) {
+        if let Ok(Some(_)) = self.tree.remove(key) {
             self.entries = self.entries.saturating_sub(1);
             self.bytes = self.bytes.saturating_sub(len as u64);
         }
+        self.backoff.remove(key);
         self.gauges();
     }
 
@@ -217,6 +407,13 @@ impl SpoolTask {
         metrics::gauge!(telemetry::CLOUD_SPOOL_DEPTH).set(self.entries as f64);
         metrics::gauge!(telemetry::CLOUD_SPOOL_BYTES).set(self.bytes as f64);
     }
+}
+
+/// The entry ends without the cloud's answer: its device gets the edge
+/// answer, marked degraded, as the final reply.
+fn give_up(why: GiveUp, stored: Stored, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
+    metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => why.as_str()).increment(1);
+    send(stored.entry, None);
 }
 
 #[cfg(test)]
@@ -238,17 +435,46 @@ mod tests {
         }
     }
 
+    fn limits(max_entries: usize, max_bytes: u64) -> SpoolLimits {
+        SpoolLimits { max_entries, max_bytes, max_attempts: 3, max_age: Duration::from_secs(3600) }
+    }
+
     /// `open` again after a drop: sled's flusher thread can hold the file
     /// lock a moment after its `Db` is gone (seen under full-suite load).
-    fn reopen(dir: &Path, max_entries: usize, max_bytes: u64) -> (Spool, SpoolTask) {
+    fn reopen(dir: &Path, limits: SpoolLimits) -> (Spool, SpoolTask) {
         let start = std::time::Instant::now();
         loop {
-            match open(dir, max_entries, max_bytes) {
+            match open(dir, limits) {
                 Ok(opened) => return opened,
                 Err(e) if start.elapsed() > Duration::from_secs(5) => panic!("{e}"),
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
+    }
+
+    fn topics(task: &SpoolTask) -> Vec<String> {
+        task.tree
+            .iter()
+            .map(|kv| postcard::from_bytes::<Stored>(&kv.unwrap().1).unwrap().entry.route.topic)
+            .collect()
+    }
+
+    /// A cloud nothing listens on: only its breaker is consulted here.
+    fn cloud() -> Cloud {
+        Cloud::new(crate::cloud::CloudOptions {
+            url: "http://127.0.0.1:9".into(),
+            token: None,
+            ca_file: None,
+            connect_timeout: Duration::from_millis(100),
+            timeout: Duration::from_millis(100),
+            max_concurrency: 1,
+            retries: 0,
+            breaker_failures: 5,
+            breaker_open: Duration::from_secs(1),
+            reserve: Duration::ZERO,
+            fallback: true,
+        })
+        .unwrap()
     }
 
     #[test]
@@ -260,28 +486,120 @@ mod tests {
             ended.lock().unwrap().push(e.route.topic);
         };
         {
-            let (_spool, mut task) = open(dir.path(), 3, u64::MAX).unwrap();
+            let (_spool, mut task) = open(dir.path(), limits(3, u64::MAX)).unwrap();
             for n in 0..5 {
-                assert!(task.store(entry(n), &send));
+                assert!(task.store(entry(n), &send).is_some());
             }
             assert_eq!(task.entries, 3);
             task.db.flush().unwrap();
         }
         assert_eq!(*ended.lock().unwrap(), vec!["dev/0", "dev/1"], "oldest first");
-        let (_spool, task) = reopen(dir.path(), 3, u64::MAX);
+        let (_spool, task) = reopen(dir.path(), limits(3, u64::MAX));
         assert_eq!(task.entries, 3, "counted again at open");
-        let kept: Vec<String> = task
-            .db
-            .iter()
-            .map(|kv| postcard::from_bytes::<SpoolEntry>(&kv.unwrap().1).unwrap().route.topic)
-            .collect();
-        assert_eq!(kept, vec!["dev/2", "dev/3", "dev/4"], "in arrival order");
-        let one = postcard::to_stdvec(&entry(0)).unwrap().len() as u64;
+        assert_eq!(topics(&task), vec!["dev/2", "dev/3", "dev/4"], "in arrival order");
+        let one = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry: entry(0) }).len() as u64;
         drop(task);
         drop(_spool);
-        let (_spool, mut task) = reopen(dir.path(), 100, 2 * one);
-        assert!(task.store(entry(9), &send));
+        let (_spool, mut task) = reopen(dir.path(), limits(100, 2 * one));
+        assert!(task.store(entry(9), &send).is_some());
         assert_eq!(task.entries, 2, "the byte bound holds too");
         assert!(task.bytes <= 2 * one);
+    }
+
+    #[test]
+    fn entries_of_the_previous_format_are_kept_across_the_upgrade() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = sled::open(dir.path()).unwrap();
+            for n in 0..2u64 {
+                db.insert(n.to_be_bytes(), postcard::to_stdvec(&entry(n as usize)).unwrap()).unwrap();
+            }
+            db.flush().unwrap();
+        }
+        let (_spool, task) = reopen(dir.path(), limits(10, u64::MAX));
+        assert_eq!(topics(&task), vec!["dev/0", "dev/1"]);
+        assert_eq!(task.entries, 2);
+        assert!(task.db.iter().next().is_none(), "the old tree is empty");
+    }
+
+    #[tokio::test]
+    async fn an_escalation_whose_request_stopped_waiting_is_withdrawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_spool, mut task) = open(dir.path(), limits(10, u64::MAX)).unwrap();
+        let send = |_: SpoolEntry, _: Option<InferResponse>| panic!("nothing ends here");
+        let (waiting, stored) = tokio::sync::oneshot::channel();
+        let (gone, dropped) = tokio::sync::oneshot::channel::<bool>();
+        drop(dropped);
+        task.store_all(vec![(entry(1), waiting), (entry(2), gone)], &send).await;
+        assert!(stored.await.unwrap(), "the waiting request hears it is on disk");
+        assert_eq!(topics(&task), vec!["dev/1"], "the abandoned one would have been a second final");
+        assert_eq!(task.entries, 1);
+    }
+
+    fn answer() -> InferResponse {
+        serde_json::from_str(r#"{"model_name": "digits-large", "outputs": []}"#).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_entry_the_cloud_keeps_failing_steps_aside_then_ends_after_its_attempts() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_spool, mut task) = open(dir.path(), limits(10, u64::MAX)).unwrap();
+        let ended = Mutex::new(Vec::new());
+        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
+            ended.lock().unwrap().push((e.route.topic, cloud.is_some()));
+        };
+        for n in 0..3 {
+            task.store(entry(n), &send).unwrap();
+        }
+        let cloud = cloud();
+        let server_error = || Err(CloudError::Status { url: "u".into(), status: 500, body: "poison".into() });
+        let Next::Call(poison, stored) = task.next(&cloud) else { panic!("the oldest is due") };
+        assert_eq!(stored.entry.route.topic, "dev/0");
+        task.settle(poison.clone(), stored, server_error(), &send).await;
+        // The failed one waits its turn; the ones behind it go meanwhile.
+        let Next::Call(key, stored) = task.next(&cloud) else { panic!("the next is due") };
+        assert_eq!(stored.entry.route.topic, "dev/1");
+        task.settle(key, stored, Ok(answer()), &send).await;
+        // An outage (no answer at all) keeps the entry in its place, unpunished.
+        let Next::Call(key, stored) = task.next(&cloud) else { panic!("dev/2 is due") };
+        let unreachable = Err(CloudError::Unreachable { url: "u".into(), reason: "refused".into() });
+        task.settle(key, stored, unreachable, &send).await;
+        assert!(matches!(task.next(&cloud), Next::WaitUntil(_)), "paused");
+        task.paused_until = None;
+        let Next::Call(key, stored) = task.next(&cloud) else { panic!("dev/2 again") };
+        assert_eq!((stored.entry.route.topic.as_str(), stored.attempts), ("dev/2", 0));
+        task.settle(key, stored, Ok(answer()), &send).await;
+        // The poison one: its attempts are on disk; the third ends it.
+        for attempt in 2..=3 {
+            assert!(matches!(task.next(&cloud), Next::WaitUntil(_)), "backing off");
+            task.backoff.clear();
+            let Next::Call(key, stored) = task.next(&cloud) else { panic!("due again") };
+            assert_eq!((key.as_slice(), stored.attempts), (poison.as_slice(), attempt - 1));
+            task.settle(key, stored, server_error(), &send).await;
+        }
+        assert_eq!(
+            *ended.lock().unwrap(),
+            vec![("dev/1".to_string(), true), ("dev/2".to_string(), true), ("dev/0".to_string(), false)]
+        );
+        assert_eq!(task.entries, 0);
+        assert!(matches!(task.next(&cloud), Next::Idle));
+    }
+
+    #[tokio::test]
+    async fn an_entry_past_its_age_ends_with_the_edge_answer_even_in_an_outage() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut l = limits(10, u64::MAX);
+        l.max_age = Duration::from_millis(1);
+        let (_spool, mut task) = open(dir.path(), l).unwrap();
+        let ended = Mutex::new(Vec::new());
+        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
+            ended.lock().unwrap().push((e.route.topic, cloud.is_some()));
+        };
+        task.store(entry(0), &send).unwrap();
+        task.paused_until = Some(Instant::now() + Duration::from_secs(60));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        task.expire(&send);
+        assert_eq!(*ended.lock().unwrap(), vec![("dev/0".to_string(), false)]);
+        assert_eq!(task.entries, 0);
     }
 }

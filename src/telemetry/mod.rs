@@ -55,7 +55,8 @@ pub const CLOUD_BREAKER: &str = "edgeinfer_cloud_breaker_state";
 /// Async escalations waiting in the spool, and their bytes.
 pub const CLOUD_SPOOL_DEPTH: &str = "edgeinfer_cloud_spool_entries";
 pub const CLOUD_SPOOL_BYTES: &str = "edgeinfer_cloud_spool_bytes";
-/// Spooled escalations dropped (oldest first) to stay within the bounds.
+/// Spooled escalations that ended with the edge answer, by `reason`: `room`
+/// (the oldest, to stay within the bounds), `refused`, `attempts`, `age`.
 pub const CLOUD_SPOOL_DROPPED: &str = "edgeinfer_cloud_spool_dropped_total";
 /// Escalations the cloud answered, by `model` and `agree` (`true` when the
 /// cloud's label is the edge's): the agreement rate.
@@ -145,7 +146,10 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_gauge!(CLOUD_BREAKER, "Cloud circuit breaker: 0 closed, 1 open, 2 half-open");
     metrics::describe_gauge!(CLOUD_SPOOL_DEPTH, "Async escalations waiting for the cloud");
     metrics::describe_gauge!(CLOUD_SPOOL_BYTES, metrics::Unit::Bytes, "Bytes of the waiting escalations");
-    metrics::describe_counter!(CLOUD_SPOOL_DROPPED, "Spooled escalations dropped to stay within bounds");
+    metrics::describe_counter!(
+        CLOUD_SPOOL_DROPPED,
+        "Spooled escalations that ended without the cloud's answer, by reason: room (dropped to stay within the bounds), refused (4xx), attempts (cloud.spool_max_attempts error answers), age (cloud.spool_max_age_s)"
+    );
     metrics::describe_counter!(
         CLOUD_AGREEMENT,
         "Escalations answered by the cloud, by edge/cloud label agreement"

@@ -58,7 +58,8 @@ fn edge_node(id: &str, cloud_port: u16, extra: &[(&str, &str)]) -> (Node, u16, u
 }
 
 /// A fake OIP server: records each request's head, waits `delay`, answers
-/// a fixed 10-class result. Counts connections.
+/// a fixed 10-class result, or HTTP 500 to a body containing `poison`.
+/// Counts connections.
 struct FakeCloud {
     port: u16,
     heads: Arc<Mutex<Vec<String>>>,
@@ -67,6 +68,10 @@ struct FakeCloud {
 
 impl FakeCloud {
     fn start(delay: Duration) -> FakeCloud {
+        FakeCloud::start_with(delay, None)
+    }
+
+    fn start_with(delay: Duration, poison: Option<&'static str>) -> FakeCloud {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let heads = Arc::new(Mutex::new(Vec::new()));
@@ -97,8 +102,16 @@ impl FakeCloud {
                             continue;
                         }
                         h.lock().unwrap().push(head);
-                        buf.drain(..end + 4 + length);
+                        let body = buf.drain(..end + 4 + length).skip(end + 4).collect::<Vec<u8>>();
                         std::thread::sleep(delay);
+                        if poison.is_some_and(|p| body.windows(p.len()).any(|w| w == p.as_bytes())) {
+                            let reply =
+                                "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\n\r\npoison";
+                            if stream.write_all(reply.as_bytes()).is_err() {
+                                return;
+                            }
+                            continue;
+                        }
                         let mut probs = vec![0.0f32; 10];
                         probs[4] = 1.0;
                         let body = json!({"model_name": "fake", "model_version": "9", "outputs": [
@@ -337,7 +350,11 @@ async fn finals(client: &mut Client, ids: &[String], timeout: Duration) -> Vec<(
     {
         let left = deadline.saturating_duration_since(Instant::now());
         let Some(p) = client.next(left).await else {
-            panic!("missing final replies; got {got:?}");
+            let missing: Vec<&String> = ids
+                .iter()
+                .filter(|id| !got.iter().any(|(c, v)| c == *id && v["parameters"]["final"] == true))
+                .collect();
+            panic!("no final reply to {missing:?} ({} replies came)", got.len());
         };
         let corr = String::from_utf8(p.properties.unwrap().correlation_data.unwrap().to_vec()).unwrap();
         got.push((corr, serde_json::from_slice(&p.payload).unwrap()));
@@ -404,6 +421,110 @@ async fn async_enrichment_sends_two_replies_and_the_spool_survives_an_outage_and
     let got = finals(&mut client, &ids, Duration::from_secs(20)).await;
     assert_eq!(got.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>(), ids, "{got:?}");
     assert!(got.iter().all(|(_, v)| served_by(v) == "cloud" && v["parameters"]["final"] == true));
+}
+
+/// Every reply to each of `ids` until each has its `final: true`, then a
+/// second more: (correlation, reply) in arrival order.
+async fn all_replies(client: &mut Client, ids: &[String], timeout: Duration) -> Vec<(String, Value)> {
+    let mut got = finals(client, ids, timeout).await;
+    while let Some(p) = client.next(Duration::from_secs(1)).await {
+        let corr = String::from_utf8(p.properties.unwrap().correlation_data.unwrap().to_vec()).unwrap();
+        got.push((corr, serde_json::from_slice(&p.payload).unwrap()));
+    }
+    got
+}
+
+/// The replies to `id`, as (served_by, final) pairs; error replies as ("error", code).
+fn replies_to<'a>(got: &'a [(String, Value)], id: &str) -> Vec<(&'a str, String)> {
+    got.iter()
+        .filter(|(c, _)| c == id)
+        .map(|(_, v)| match v["parameters"]["served_by"].as_str() {
+            Some(by) => (by, v["parameters"]["final"].to_string()),
+            None => ("error", v["parameters"]["code"].to_string()),
+        })
+        .collect()
+}
+
+fn async_edge_env<'a>(
+    cloud_url: &'a str,
+    state_dir: &'a str,
+    extra: &[(&'a str, &'a str)],
+) -> Vec<(&'a str, &'a str)> {
+    let mut env = vec![
+        ("EDGEINFER_CLOUD__ENABLED", "true"),
+        ("EDGEINFER_CLOUD__URL", cloud_url),
+        ("EDGEINFER_MODELS__DIGITS__CLOUD_MODEL", "digits-large"),
+        ("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.0"),
+        ("EDGEINFER_MODELS__DIGITS__ENRICH", "async"),
+        ("EDGEINFER_NODE__STATE_DIR", state_dir),
+    ];
+    env.extend_from_slice(extra);
+    env
+}
+
+/// Issue 16, finding 2: an entry the cloud keeps failing used to stay at
+/// the head of the spool for ever, holding back every later final reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_escalation_ends_degraded_after_its_attempts_and_holds_back_no_other() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let fake = FakeCloud::start_with(Duration::ZERO, Some("poison"));
+    let state = tempfile::tempdir().unwrap();
+    let (url, dir) = (format!("http://127.0.0.1:{}", fake.port), state.path().display().to_string());
+    let env = async_edge_env(
+        &url,
+        &dir,
+        &[
+            ("EDGEINFER_CLOUD__RETRIES", "0"),
+            ("EDGEINFER_CLOUD__SPOOL_MAX_ATTEMPTS", "3"),
+            ("EDGEINFER_CLOUD__BREAKER_OPEN_MS", "200"),
+        ],
+    );
+    let _edge = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-x8", &env));
+    let mut client = Client::connect(broker.port, "dev-x8", &["dev/x8/replies"]).await;
+    let mut ids = vec!["poison".to_string()];
+    ids.extend((0..50).map(|i| format!("good-{i}")));
+    for (i, id) in ids.iter().enumerate() {
+        let payload = request(id, i, json!({"cache": false})).to_string().into_bytes();
+        client.request("edgeinfer/gw-x8/infer/digits", payload, "dev/x8/replies", id.as_bytes(), None).await;
+    }
+    let got = all_replies(&mut client, &ids, Duration::from_secs(60)).await;
+    for id in &ids[1..] {
+        assert_eq!(replies_to(&got, id), vec![("edge", "false".into()), ("cloud", "true".into())], "{id}");
+    }
+    assert_eq!(replies_to(&got, "poison"), vec![("edge", "false".into()), ("edge", "true".into())]);
+    let poison_final = got.iter().rfind(|(c, _)| c == "poison").unwrap();
+    assert!(degraded(&poison_final.1), "{poison_final:?}");
+    let attempts = fake.heads.lock().unwrap().len();
+    assert_eq!(attempts, 50 + 3, "each good one once, the poison one its three attempts");
+}
+
+/// Issue 16, finding 3: the spool used to take new entries only between
+/// cloud calls, so a request with a short deadline behind a slow call got
+/// `deadline_exceeded` and, later, a `final: true` as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_shorter_than_a_slow_cloud_call_still_gets_exactly_one_final_reply() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let fake = FakeCloud::start(Duration::from_millis(1500));
+    let state = tempfile::tempdir().unwrap();
+    let (url, dir) = (format!("http://127.0.0.1:{}", fake.port), state.path().display().to_string());
+    let env = async_edge_env(&url, &dir, &[]);
+    let _edge = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-x9", &env));
+    let mut client = Client::connect(broker.port, "dev-x9", &["dev/x9/replies"]).await;
+    let slow = request("slow", 0, json!({"cache": false})).to_string().into_bytes();
+    client.request("edgeinfer/gw-x9/infer/digits", slow, "dev/x9/replies", b"slow", None).await;
+    let first = client.next(Duration::from_secs(20)).await.expect("the provisional reply");
+    assert_eq!(first.properties.unwrap().correlation_data.unwrap().as_ref(), b"slow");
+    // The spool is now in the cloud call for "slow" for 1.5 s.
+    let tight = request("tight", 1, json!({"cache": false, "deadline_ms": 400})).to_string().into_bytes();
+    client.request("edgeinfer/gw-x9/infer/digits", tight, "dev/x9/replies", b"tight", None).await;
+    let ids = ["slow".to_string(), "tight".to_string()];
+    let got = all_replies(&mut client, &ids, Duration::from_secs(20)).await;
+    assert_eq!(
+        replies_to(&got, "tight"),
+        vec![("edge", "false".into()), ("cloud", "true".into())],
+        "{got:?}"
+    );
+    assert_eq!(replies_to(&got, "slow"), vec![("cloud", "true".into())], "{got:?}");
 }
 
 /// Seldon MLServer (from PyPI, with mlserver-sklearn) as the cloud tier: a
