@@ -12,6 +12,9 @@ use cli::{Cli, Command};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    // Test builds only: reads the fail points to arm from FAILPOINTS.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
     cli::init_logging(&cli.log, cli.log_format == "json");
     match dispatch(cli) {

@@ -201,7 +201,9 @@ pub fn next_batch(
     let depth = metrics::gauge!(telemetry::QUEUE_DEPTH, "model" => model.to_string());
     // Holding the queue while the window is open keeps the other threads
     // from splitting this batch.
-    let queue = queue.lock().ok()?;
+    // A thread that panicked while forming a batch poisoned the lock; the
+    // queue itself is intact, and the others go on with it.
+    let queue = queue.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         let first = queue.recv().ok()?;
         depth.decrement(1.0);

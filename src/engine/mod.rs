@@ -267,30 +267,46 @@ impl Engine {
     }
 
     /// One request through the whole pipeline (cache skipped, edge only)
-    /// on the first model in service: the watchdog's proof that requests
-    /// still flow. A node too busy to take it (`overloaded`) is alive. Tier
-    /// `fast`: a zeros input may fall below the model's threshold, and a
-    /// slow cloud must not make a healthy node miss its watchdog.
+    /// on every model in service: the watchdog's proof that requests still
+    /// flow. A model too busy to take it (`overloaded`) is alive only if it
+    /// finished a batch since the previous probe; a full queue that does not
+    /// move is a wedged model. Tier `fast`: a zeros input may fall below the
+    /// model's threshold, and a slow cloud must not make a healthy node miss
+    /// its watchdog.
     pub async fn probe(&self) -> Result<(), String> {
-        let registry = self.registry();
-        let Some(model) = registry.active().next() else { return Err("no model is in service".into()) };
-        let spec = &model.manifest.input;
-        let shape: Vec<i64> = spec.shape.iter().map(|&d| if d < 0 { 1 } else { d }).collect();
-        let elements = shape.iter().product::<i64>() as usize;
-        let mut req = InferRequest::single(
-            "watchdog",
-            &spec.name,
-            shape,
-            spec.datatype,
-            crate::protocol::TensorData::Number(vec![0.0; elements]),
-        );
-        req.parameters.cache = Some(false);
-        req.parameters.deadline_ms = Some(5000);
-        req.parameters.tier = Some(crate::protocol::Tier::Fast);
-        match self.infer(Envelope::model(model.name()), req).await {
-            Ok(_) => Ok(()),
-            Err(e) if e.code == ErrorCode::Overloaded => Ok(()),
-            Err(e) => Err(format!("{} v{}: {e}", model.name(), model.version())),
+        let generation = self.current();
+        let mut models = generation.registry.active().peekable();
+        if models.peek().is_none() {
+            return Err("no model is in service".into());
         }
+        for model in models {
+            let spec = &model.manifest.input;
+            let shape: Vec<i64> = spec.shape.iter().map(|&d| if d < 0 { 1 } else { d }).collect();
+            let elements = shape.iter().product::<i64>() as usize;
+            let mut req = InferRequest::single(
+                "watchdog",
+                &spec.name,
+                shape,
+                spec.datatype,
+                crate::protocol::TensorData::Number(vec![0.0; elements]),
+            );
+            req.parameters.cache = Some(false);
+            req.parameters.deadline_ms = Some(5000);
+            req.parameters.tier = Some(crate::protocol::Tier::Fast);
+            req.parameters.model_version = Some(model.version().to_string());
+            let failed = match self.run(&generation, Envelope::model(model.name()), req).await {
+                Ok(_) => None,
+                Err(e) if e.code == ErrorCode::Overloaded => {
+                    let runner = generation.runners.get(model.name(), Some(model.version()));
+                    (!runner.is_ok_and(|r| r.progressed()))
+                        .then(|| "its queue is full and no batch finished since the last probe".to_string())
+                }
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(why) = failed {
+                return Err(format!("{} v{}: {why}", model.name(), model.version()));
+            }
+        }
+        Ok(())
     }
 }

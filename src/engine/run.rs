@@ -7,6 +7,9 @@ use super::batch::{BatchPolicy, Queued, run_batches};
 use super::preprocess::Prepared;
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::InferError;
+use crate::protocol::TensorData;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -15,26 +18,74 @@ use tokio::sync::oneshot;
 pub struct Runner {
     model: Arc<LoadedModel>,
     queue: SyncSender<Queued>,
+    /// Batches its threads finished, and the count the last probe saw: a
+    /// full queue with no batch finished since is a wedged model.
+    finished: Arc<AtomicU64>,
+    probed: AtomicU64,
 }
+
+/// What an inference thread runs on a packed batch.
+type RunBatch = dyn Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError> + Send + Sync;
 
 impl Runner {
     pub fn start(model: Arc<LoadedModel>, policy: BatchPolicy, threads: usize, capacity: usize) -> Runner {
+        let run_model = model.clone();
+        let run: Arc<RunBatch> = Arc::new(move |rows, input: &TensorData| {
+            panic_on_marked_input(run_model.name(), input);
+            run_model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
+        });
+        Runner::start_with(model, policy, threads, capacity, run)
+    }
+
+    /// Threads that run each batch with `run`. A panic in it answers that
+    /// batch's requests `internal` and the thread goes on with the next; a
+    /// panic anywhere else in the thread restarts its loop (the requests it
+    /// held get `internal` as their reply channels drop). Both are counted.
+    fn start_with(
+        model: Arc<LoadedModel>,
+        policy: BatchPolicy,
+        threads: usize,
+        capacity: usize,
+        run: Arc<RunBatch>,
+    ) -> Runner {
         let (queue, queued) = sync_channel::<Queued>(capacity.max(1));
         let queued = Arc::new(Mutex::new(queued));
+        let finished = Arc::new(AtomicU64::new(0));
         for i in 0..threads.max(1) {
-            let model = model.clone();
-            let queued = queued.clone();
-            let policy = policy.clone();
+            let name = model.name().to_string();
+            let (queued, policy, run, finished) =
+                (queued.clone(), policy.clone(), run.clone(), finished.clone());
             std::thread::Builder::new()
-                .name(format!("infer-{}-{i}", model.name()))
+                .name(format!("infer-{name}-{i}"))
                 .spawn(move || {
-                    run_batches(&queued, &policy, model.name(), |rows, input| {
-                        model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
-                    })
+                    let guarded = |rows: usize, input: &TensorData| {
+                        let outcome = catch_unwind(AssertUnwindSafe(|| run(rows, input)));
+                        finished.fetch_add(1, Ordering::Relaxed);
+                        outcome.unwrap_or_else(|panic| {
+                            let why = panic_message(&*panic);
+                            count_panic(&name, &why);
+                            Err(InferError::internal(format!(
+                                "model {name} failed on this batch ({why}); other requests are served"
+                            )))
+                        })
+                    };
+                    // Ends when the queue closes (a reload retired this version).
+                    while let Err(panic) =
+                        catch_unwind(AssertUnwindSafe(|| run_batches(&queued, &policy, &name, guarded)))
+                    {
+                        count_panic(&name, &panic_message(&*panic));
+                    }
                 })
                 .expect("spawning an inference thread");
         }
-        Runner { model, queue }
+        Runner { model, queue, finished, probed: AtomicU64::new(0) }
+    }
+
+    /// Whether a batch finished since the previous call (the watchdog's
+    /// test that an `overloaded` model is busy, not wedged).
+    pub fn progressed(&self) -> bool {
+        let now = self.finished.load(Ordering::Relaxed);
+        self.probed.swap(now, Ordering::Relaxed) != now
     }
 
     /// The model version these threads run.
@@ -73,6 +124,40 @@ impl Runner {
     }
 }
 
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_string())
+}
+
+fn count_panic(model: &str, why: &str) {
+    metrics::counter!(crate::telemetry::INFERENCE_PANICS, "model" => model.to_string()).increment(1);
+    tracing::error!("model {model}: an inference thread panicked ({why}); it goes on with the next batch");
+}
+
+/// Fault injection for the end-to-end tests (`--features failpoints`; the
+/// shipped binary has none): `FAILPOINTS=inference_panic=return(V)` panics
+/// on a batch holding the preprocessed value `V`; `return(MODEL:V)` only on
+/// model `MODEL`'s.
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn panic_on_marked_input(model: &str, input: &TensorData) -> Option<()> {
+    fail::fail_point!("inference_panic", |marker: Option<String>| {
+        let marker = marker?;
+        let (only, value) = marker.split_once(':').map_or((None, marker.as_str()), |(m, v)| (Some(m), v));
+        let value: f32 = value.parse().ok()?;
+        if only.is_none_or(|m| m == model)
+            && let TensorData::F32(values) = input
+            && values.contains(&value)
+        {
+            panic!("failpoint inference_panic: the input holds {value}");
+        }
+        None
+    });
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +179,32 @@ mod tests {
         let good = Prepared { rows: 2, input: TensorData::F32(vec![0.5; 128]) };
         let out = runner.run(good, None).await.unwrap();
         assert_eq!(out[0].shape, vec![2, 10]);
+    }
+
+    #[tokio::test]
+    async fn a_panicking_batch_answers_internal_and_the_thread_keeps_serving() {
+        let model = digits();
+        let inner = model.clone();
+        let run: Arc<RunBatch> = Arc::new(move |rows, input: &TensorData| {
+            if let TensorData::F32(v) = input
+                && v[0] < 0.0
+            {
+                panic!("a marked input");
+            }
+            inner.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
+        });
+        // One thread: had the panic killed it, nothing would answer after.
+        let runner = Runner::start_with(model, BatchPolicy::default(), 1, 4, run);
+        for round in 0..3 {
+            let marked = Prepared { rows: 1, input: TensorData::F32(vec![-1.0; 64]) };
+            let err = runner.run(marked, None).await.unwrap_err();
+            assert_eq!(err.code, ErrorCode::Internal, "round {round}");
+            assert!(err.message.contains("a marked input"), "{}", err.message);
+            let good = Prepared { rows: 1, input: TensorData::F32(vec![0.5; 64]) };
+            assert_eq!(runner.run(good, None).await.unwrap()[0].shape, vec![1, 10], "round {round}");
+        }
+        assert!(runner.progressed(), "six batches finished");
+        assert!(!runner.progressed(), "none since");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -336,3 +336,34 @@ fn the_watchdog_probe_never_asks_the_cloud_tier() {
     let connected = silent.accept();
     assert!(connected.is_err(), "the probe connected to the cloud tier: {connected:?}");
 }
+
+/// The watchdog probes every model in service, not only the first: here
+/// the second panics on the probe's zeros input. (The fail point is
+/// process-wide, so the failing model is a copy of `digits` no other test
+/// loads.)
+#[cfg(feature = "failpoints")]
+#[test]
+fn the_watchdog_probe_tries_every_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, from) in [("digits", "digits"), ("zz-probe", "digits")] {
+        let version = dir.path().join(name).join("1");
+        std::fs::create_dir_all(&version).unwrap();
+        for entry in std::fs::read_dir(models_dir().join(from).join("1")).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), version.join(entry.file_name())).unwrap();
+        }
+        let manifest = std::fs::read_to_string(version.join("model.toml")).unwrap();
+        let renamed = manifest.replace("name = \"digits\"", &format!("name = \"{name}\""));
+        std::fs::write(version.join("model.toml"), renamed).unwrap();
+    }
+    let registry = Registry::load(dir.path(), &RuntimeOptions::default()).unwrap();
+    let e = Engine::new(Arc::new(registry), EngineOptions::default(), edgeinfer::engine::Cache::off());
+    let rt = rt();
+    rt.block_on(e.probe()).unwrap();
+    fail::cfg("inference_panic", "return(zz-probe:0)").unwrap();
+    let probed = rt.block_on(e.probe());
+    fail::remove("inference_panic");
+    let err = probed.unwrap_err();
+    assert!(err.contains("zz-probe v1") && err.contains("failpoint"), "{err}");
+    rt.block_on(e.probe()).unwrap();
+}

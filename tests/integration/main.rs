@@ -17,6 +17,15 @@ pub fn skipped(why: &str) {
     eprintln!("SKIPPED: {why}");
 }
 
+/// The fault-injection tests (issue 16) need the fail points compiled in:
+/// `cargo test --features failpoints`, as the README and `.ci/run` run it.
+#[test]
+fn fault_injection_tests_are_compiled_in() {
+    if !cfg!(feature = "failpoints") {
+        skipped("built without --features failpoints: the fault-injection tests are left out");
+    }
+}
+
 pub fn models_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models")
 }
