@@ -33,8 +33,10 @@ use crate::telemetry::{self, Stage};
 use cache::Lookup;
 use cascade::Cascade;
 use deadline::Deadline;
+use futures_util::FutureExt;
 use generation::Generation;
 use stats::Stats;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -85,7 +87,10 @@ impl Engine {
     /// Stage 1 alone, for a transport that must read the request before it
     /// can answer it (an MQTT 3.1.1 request names its reply topic inside).
     pub fn decode(&self, payload: &[u8], encoding: Encoding) -> Decoded {
-        decode::decode(payload, encoding, &self.current().options.limits)
+        let limits = &self.current().options.limits;
+        std::panic::catch_unwind(|| decode::decode(payload, encoding, limits)).unwrap_or_else(|panic| {
+            Decoded { id: String::new(), reply_to: None, request: Err(request_panicked("", &*panic)) }
+        })
     }
 
     /// A decoded request through the rest of the pipeline, encoded.
@@ -96,7 +101,12 @@ impl Engine {
         let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "model" => label.to_string());
         in_flight.increment(1.0);
         let result = match decoded.request {
-            Ok(req) => self.run(&generation, envelope, req).await,
+            // A panic anywhere in the pipeline is this request's `internal`
+            // reply, not a request acknowledged with no reply at all.
+            Ok(req) => AssertUnwindSafe(self.run(&generation, envelope, req))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| Err(request_panicked(label, &*panic))),
             Err(e) => Err(e),
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
@@ -135,6 +145,7 @@ impl Engine {
         envelope: Envelope<'_>,
         req: InferRequest,
     ) -> Result<InferResponse, InferError> {
+        panic_on_marked_request(&req.id);
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
         let runner = resolve::resolve(&generation.runners, &envelope, &req)?;
         let model = runner.model();
@@ -309,4 +320,27 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The reply to a request whose handling panicked (a bug): logged, counted.
+fn request_panicked(model: &str, panic: &(dyn std::any::Any + Send)) -> InferError {
+    let why = run::panic_message(panic);
+    metrics::counter!(telemetry::REQUEST_PANICS, "model" => model.to_string()).increment(1);
+    tracing::error!("a request to {model:?} panicked ({why}); it is answered internal");
+    InferError::internal(format!(
+        "the node failed on this request ({why}); it was logged, other requests are served"
+    ))
+}
+
+/// Fault injection for the end-to-end tests (`--features failpoints`):
+/// `FAILPOINTS=request_panic=return(ID)` panics in the pipeline of request `ID`.
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn panic_on_marked_request(id: &str) -> Option<()> {
+    fail::fail_point!("request_panic", |marker: Option<String>| {
+        if marker? == id {
+            panic!("failpoint request_panic: request {id}");
+        }
+        None
+    });
+    None
 }

@@ -16,6 +16,8 @@ pub const STAGE_SECONDS: &str = "edgeinfer_stage_duration_seconds";
 pub const BATCH_ROWS: &str = "edgeinfer_batch_rows";
 /// Requests waiting in a model's queue, by `model`.
 pub const QUEUE_DEPTH: &str = "edgeinfer_queue_depth";
+/// Panics while handling a request, by `model` (it got `internal`).
+pub const REQUEST_PANICS: &str = "edgeinfer_request_panics_total";
 /// Panics in an inference thread, by `model` (its batch got `internal`).
 pub const INFERENCE_PANICS: &str = "edgeinfer_inference_panics_total";
 /// Requests between arrival and reply, by `model`.
@@ -117,6 +119,7 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_histogram!(STAGE_SECONDS, metrics::Unit::Seconds, "Time per pipeline stage");
     metrics::describe_histogram!(BATCH_ROWS, "Rows per batch run");
     metrics::describe_gauge!(QUEUE_DEPTH, "Requests waiting in the model's queue");
+    metrics::describe_counter!(REQUEST_PANICS, "Panics while handling a request; it was answered internal");
     metrics::describe_counter!(
         INFERENCE_PANICS,
         "Panics in an inference thread; its batch was answered internal and the thread went on"

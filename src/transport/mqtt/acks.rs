@@ -30,6 +30,12 @@ pub struct AckSlot {
 
 impl Drop for AckSlot {
     fn drop(&mut self) {
+        // The engine answers a panicking request `internal` itself; a panic
+        // here is in the adapter, after that. Acknowledgements must leave in
+        // order, so this one still goes, but not silently.
+        if std::thread::panicking() {
+            tracing::error!("a request task panicked before its reply was sent; acknowledging it anyway");
+        }
         let _ = self.tx.send(Message::Done(self.seq));
     }
 }
