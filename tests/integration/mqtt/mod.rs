@@ -4,6 +4,8 @@
 mod cache;
 mod cascade;
 mod embedded;
+#[cfg(feature = "failpoints")]
+mod faults;
 mod lifecycle;
 mod mosquitto;
 mod observability;
