@@ -61,6 +61,7 @@ impl Node {
         let cache = Cache::open(CacheOptions::from_config(&config));
         let mut engine = Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache);
         let (follow_ups, follow_ups_rx) = mpsc::unbounded_channel();
+        let (settled, settled_rx) = mpsc::unbounded_channel();
         let mut spool_task = None;
         match CloudOptions::from_config(&config)? {
             Some(options) => {
@@ -72,7 +73,7 @@ impl Node {
                     max_attempts: config.cloud.spool_max_attempts,
                     max_age: Duration::from_secs(config.cloud.spool_max_age_s),
                 };
-                let spool = match spool::open(&dir, limits) {
+                let spool = match spool::open(&dir, limits, settled) {
                     Ok((spool, task)) => {
                         spool_task = Some((cloud.clone(), task));
                         Some(spool)
@@ -89,8 +90,7 @@ impl Node {
         }
         let engine = Arc::new(engine);
         if let Some((cloud, task)) = spool_task {
-            let (settled, settled_rx) = mpsc::unbounded_channel();
-            tokio::spawn(task.run(cloud, settled));
+            tokio::spawn(task.run(cloud));
             engine.finish_escalations(settled_rx, follow_ups);
         }
         tracing::info!("node {}: serving {} over {}", config.node.id, serving(&engine), config.mqtt.url);

@@ -2,12 +2,14 @@
 //! so an outage or a restart loses none. One task owns the store: requests
 //! hand it entries over a channel; it sends them to the cloud oldest first
 //! and hands each settled one to the engine, which writes the final reply.
+//! An entry leaves the store only once the broker acknowledged that reply:
+//! a crash before then sends it again after the restart.
 
 use super::{Cloud, CloudError};
-use crate::protocol::{InferResponse, ReplyRoute};
+use crate::protocol::{Delivery, InferResponse, ReplyRoute};
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
@@ -28,16 +30,23 @@ pub struct SpoolEntry {
 }
 
 /// An escalation the spool is done with: the cloud's answer, or `None`
-/// when the cloud will not give one (refused, or the entry was dropped to
-/// make room). The engine turns it into the reply that ends the request.
+/// when the cloud will not give one (refused, out of attempts or time, or
+/// dropped to make room). The engine turns it into the reply that ends the
+/// request; `delivery` tells the spool when the broker has it.
 #[derive(Debug)]
 pub struct Settled {
     pub entry: SpoolEntry,
     pub cloud: Option<InferResponse>,
+    pub delivery: Delivery,
 }
 
 /// An entry, and who waits to hear it is on disk.
 type Arrival = (SpoolEntry, tokio::sync::oneshot::Sender<bool>);
+
+/// Final replies out for delivery at once; the spool asks the cloud for no
+/// more until the broker acknowledged some (this bounds every queue between
+/// here and the broker).
+const MAX_UNDELIVERED: usize = 64;
 
 /// The requests' side: hands entries to the spool task.
 #[derive(Clone)]
@@ -72,6 +81,12 @@ pub struct SpoolTask {
     backoff: HashMap<Vec<u8>, Instant>,
     /// The whole spool waits until then (the uplink or the cloud is down).
     paused_until: Option<Instant>,
+    /// Entries whose final reply is on its way to the broker.
+    undelivered: HashSet<Vec<u8>>,
+    /// Where `Delivery` handles report back: (key, delivered).
+    delivered_tx: mpsc::UnboundedSender<(Vec<u8>, bool)>,
+    delivered_rx: mpsc::UnboundedReceiver<(Vec<u8>, bool)>,
+    settled: mpsc::UnboundedSender<Settled>,
 }
 
 /// Bounds of the spool (`cloud.spool_*`).
@@ -129,8 +144,12 @@ type Call =
     std::pin::Pin<Box<dyn Future<Output = (Vec<u8>, Stored, Result<InferResponse, CloudError>)> + Send>>;
 
 /// Opens (or creates) the store; what it holds from before a restart is
-/// sent first.
-pub fn open(dir: &Path, limits: SpoolLimits) -> Result<(Spool, SpoolTask), SpoolError> {
+/// sent first. Settled escalations go to `settled`.
+pub fn open(
+    dir: &Path,
+    limits: SpoolLimits,
+    settled: mpsc::UnboundedSender<Settled>,
+) -> Result<(Spool, SpoolTask), SpoolError> {
     let err = |e: sled::Error| SpoolError { path: dir.display().to_string(), message: e.to_string() };
     let db = sled::Config::new().path(dir).cache_capacity(1024 * 1024).open().map_err(err)?;
     let tree = db.open_tree("escalations").map_err(err)?;
@@ -150,8 +169,21 @@ pub fn open(dir: &Path, limits: SpoolLimits) -> Result<(Spool, SpoolTask), Spool
         max_attempts: limits.max_attempts.max(1),
         ..limits
     };
-    let task =
-        SpoolTask { db, tree, rx, limits, entries, bytes, backoff: HashMap::new(), paused_until: None };
+    let (delivered_tx, delivered_rx) = mpsc::unbounded_channel();
+    let task = SpoolTask {
+        db,
+        tree,
+        rx,
+        limits,
+        entries,
+        bytes,
+        backoff: HashMap::new(),
+        paused_until: None,
+        undelivered: HashSet::new(),
+        delivered_tx,
+        delivered_rx,
+        settled,
+    };
     task.gauges();
     Ok((Spool { tx }, task))
 }
@@ -199,15 +231,12 @@ impl SpoolTask {
     /// Runs until every `Spool` handle is gone (the entries left stay on
     /// disk for the next start). New escalations are stored while a cloud
     /// call is in flight, so a request never waits for the cloud here.
-    pub async fn run(mut self, cloud: Arc<Cloud>, settled: mpsc::UnboundedSender<Settled>) {
-        let send = |entry: SpoolEntry, cloud: Option<InferResponse>| {
-            let _ = settled.send(Settled { entry, cloud });
-        };
+    pub async fn run(mut self, cloud: Arc<Cloud>) {
         let mut call: Option<Call> = None;
         loop {
             let mut wake = None;
             if call.is_none() {
-                self.expire(&send);
+                self.expire();
                 match self.next(&cloud) {
                     Next::Call(key, stored) => {
                         let cloud = cloud.clone();
@@ -233,11 +262,16 @@ impl SpoolTask {
                     while let Ok(more) = self.rx.try_recv() {
                         arrived.push(more);
                     }
-                    self.store_all(arrived, &send).await;
+                    self.store_all(arrived).await;
+                }
+                Some((key, delivered)) = self.delivered_rx.recv() => {
+                    self.delivered(key, delivered);
+                    self.delivery_reports();
+                    let _ = self.db.flush_async().await;
                 }
                 (key, stored, result) = async { call.as_mut().expect("polled only with a call").await }, if call.is_some() => {
                     call = None;
-                    self.settle(key, stored, result, &send).await;
+                    self.settle(key, stored, result).await;
                 }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now).into()), if wake.is_some() => {}
             }
@@ -251,10 +285,17 @@ impl SpoolTask {
             return Next::WaitUntil(at);
         }
         self.paused_until = None;
+        if self.undelivered.len() >= MAX_UNDELIVERED {
+            // A delivery report wakes the task.
+            return Next::Idle;
+        }
         self.backoff.retain(|_, at| *at > now);
         let mut earliest: Option<Instant> = None;
         for item in self.tree.iter() {
             let Ok((key, value)) = item else { break };
+            if self.undelivered.contains(&key[..]) {
+                continue;
+            }
             if let Some(at) = self.backoff.get(&key[..]) {
                 earliest = Some(earliest.map_or(*at, |e| e.min(*at)));
                 continue;
@@ -274,13 +315,16 @@ impl SpoolTask {
     }
 
     /// Ends the entries older than `cloud.spool_max_age_s`, oldest first.
-    fn expire(&mut self, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
+    fn expire(&mut self) {
         let oldest_allowed = unix_ms().saturating_sub(self.limits.max_age.as_millis() as u64);
-        while let Ok(Some((key, value))) = self.tree.first() {
+        for item in self.tree.iter() {
+            let Ok((key, value)) = item else { return };
+            if self.undelivered.contains(&key[..]) {
+                continue;
+            }
             match postcard::from_bytes::<Stored>(&value) {
                 Ok(stored) if stored.queued_at_ms < oldest_allowed => {
-                    self.remove(&key, value.len());
-                    give_up(GiveUp::Age, stored, send);
+                    self.give_up(GiveUp::Age, key.to_vec(), stored);
                 }
                 _ => return,
             }
@@ -288,23 +332,16 @@ impl SpoolTask {
     }
 
     /// What a cloud call's outcome does to its entry.
-    async fn settle(
-        &mut self,
-        key: Vec<u8>,
-        mut stored: Stored,
-        result: Result<InferResponse, CloudError>,
-        send: &impl Fn(SpoolEntry, Option<InferResponse>),
-    ) {
-        let Ok(Some(value)) = self.tree.get(&key) else { return };
+    async fn settle(&mut self, key: Vec<u8>, mut stored: Stored, result: Result<InferResponse, CloudError>) {
+        if !matches!(self.tree.get(&key), Ok(Some(_))) {
+            // Dropped to make room while the call was out: it has its reply.
+            return;
+        }
         match result {
-            Ok(response) => {
-                self.remove(&key, value.len());
-                send(stored.entry, Some(response));
-            }
+            Ok(response) => self.finish(key, stored.entry, Some(response)),
             Err(e) if !e.retryable() && matches!(e, CloudError::Status { .. } | CloudError::Invalid(_)) => {
                 tracing::warn!("cloud spool: the cloud refused an escalation of {}: {e}", stored.entry.model);
-                self.remove(&key, value.len());
-                give_up(GiveUp::Refused, stored, send);
+                self.give_up(GiveUp::Refused, key, stored);
             }
             Err(e @ CloudError::Status { .. }) => {
                 // The cloud answered, with an error: this entry's attempt.
@@ -316,8 +353,7 @@ impl SpoolTask {
                         stored.entry.model,
                         stored.attempts
                     );
-                    self.remove(&key, value.len());
-                    give_up(GiveUp::Attempts, stored, send);
+                    self.give_up(GiveUp::Attempts, key, stored);
                 } else {
                     let value = encode(&stored);
                     if self.tree.insert(&key[..], value).is_ok() {
@@ -334,12 +370,50 @@ impl SpoolTask {
         let _ = self.db.flush_async().await;
     }
 
+    /// The entry ends without the cloud's answer: its device gets the edge
+    /// answer, marked degraded, as the final reply.
+    fn give_up(&mut self, why: GiveUp, key: Vec<u8>, stored: Stored) {
+        metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => why.as_str()).increment(1);
+        self.finish(key, stored.entry, None);
+    }
+
+    /// Hands the entry's final reply on; the entry stays stored until the
+    /// broker acknowledged it.
+    fn finish(&mut self, key: Vec<u8>, entry: SpoolEntry, cloud: Option<InferResponse>) {
+        self.undelivered.insert(key.clone());
+        let delivery = Delivery::new(key, self.delivered_tx.clone());
+        let _ = self.settled.send(Settled { entry, cloud, delivery });
+    }
+
+    /// A final reply reached the broker: the entry is done. Or it did not
+    /// (the node is stopping, the session was lost with it): it is sent
+    /// again, after a pause.
+    fn delivered(&mut self, key: Vec<u8>, delivered: bool) {
+        if !self.undelivered.remove(&key) {
+            return;
+        }
+        if delivered {
+            if let Ok(Some(value)) = self.tree.get(&key) {
+                self.remove(&key, value.len());
+            }
+        } else {
+            self.backoff.insert(key, Instant::now() + Duration::from_secs(1));
+        }
+    }
+
+    /// The delivery reports waiting now.
+    fn delivery_reports(&mut self) {
+        while let Ok((key, delivered)) = self.delivered_rx.try_recv() {
+            self.delivered(key, delivered);
+        }
+    }
+
     /// Stores what arrived, flushes, then tells each sender. An entry whose
     /// sender stopped waiting (its request ran out of time and got an
     /// error reply) or that did not reach the disk is taken out again: it
     /// must not produce a second final reply.
-    async fn store_all(&mut self, arrived: Vec<Arrival>, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
-        let stored: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e, send), done)).collect();
+    async fn store_all(&mut self, arrived: Vec<Arrival>) {
+        let stored: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e), done)).collect();
         let flushed = self.db.flush_async().await.is_ok();
         let mut withdrawn = false;
         for (key, done) in stored {
@@ -360,11 +434,7 @@ impl SpoolTask {
     /// Keeps the entry, dropping the oldest to stay within the bounds; a
     /// dropped one's device gets the edge answer as the final reply.
     /// Returns its key and size, or `None` where it could not be stored.
-    fn store(
-        &mut self,
-        entry: SpoolEntry,
-        send: &impl Fn(SpoolEntry, Option<InferResponse>),
-    ) -> Option<([u8; 8], usize)> {
+    fn store(&mut self, entry: SpoolEntry) -> Option<([u8; 8], usize)> {
         let value = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry });
         let len = value.len() as u64;
         while self.entries > 0
@@ -374,8 +444,17 @@ impl SpoolTask {
             self.entries -= 1;
             self.bytes = self.bytes.saturating_sub(old.len() as u64);
             self.backoff.remove(&key[..]);
-            if let Ok(old) = postcard::from_bytes::<Stored>(&old) {
-                give_up(GiveUp::Room, old, send);
+            // One whose final reply is already on its way needs no other.
+            if !self.undelivered.remove(&key[..])
+                && let Ok(old) = postcard::from_bytes::<Stored>(&old)
+            {
+                metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => GiveUp::Room.as_str())
+                    .increment(1);
+                let _ = self.settled.send(Settled {
+                    entry: old.entry,
+                    cloud: None,
+                    delivery: Delivery::untracked(),
+                });
             }
         }
         let key = self.db.generate_id().unwrap_or(0).to_be_bytes();
@@ -409,17 +488,9 @@ impl SpoolTask {
     }
 }
 
-/// The entry ends without the cloud's answer: its device gets the edge
-/// answer, marked degraded, as the final reply.
-fn give_up(why: GiveUp, stored: Stored, send: &impl Fn(SpoolEntry, Option<InferResponse>)) {
-    metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => why.as_str()).increment(1);
-    send(stored.entry, None);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
 
     fn entry(n: usize) -> SpoolEntry {
         SpoolEntry {
@@ -439,17 +510,32 @@ mod tests {
         SpoolLimits { max_entries, max_bytes, max_attempts: 3, max_age: Duration::from_secs(3600) }
     }
 
+    type Ended = mpsc::UnboundedReceiver<Settled>;
+
     /// `open` again after a drop: sled's flusher thread can hold the file
     /// lock a moment after its `Db` is gone (seen under full-suite load).
-    fn reopen(dir: &Path, limits: SpoolLimits) -> (Spool, SpoolTask) {
+    fn reopen(dir: &Path, limits: SpoolLimits) -> (Spool, SpoolTask, Ended) {
         let start = std::time::Instant::now();
         loop {
-            match open(dir, limits) {
-                Ok(opened) => return opened,
+            let (tx, rx) = mpsc::unbounded_channel();
+            match open(dir, limits, tx) {
+                Ok((spool, task)) => return (spool, task, rx),
                 Err(e) if start.elapsed() > Duration::from_secs(5) => panic!("{e}"),
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
+    }
+
+    /// What ended since the last call: (topic, with the cloud's answer), and
+    /// the delivery handles, in order.
+    fn ended(rx: &mut Ended) -> (Vec<(String, bool)>, Vec<Delivery>) {
+        let mut what = Vec::new();
+        let mut deliveries = Vec::new();
+        while let Ok(s) = rx.try_recv() {
+            what.push((s.entry.route.topic, s.cloud.is_some()));
+            deliveries.push(s.delivery);
+        }
+        (what, deliveries)
     }
 
     fn topics(task: &SpoolTask) -> Vec<String> {
@@ -477,31 +563,34 @@ mod tests {
         .unwrap()
     }
 
+    fn answer() -> InferResponse {
+        serde_json::from_str(r#"{"model_name": "digits-large", "outputs": []}"#).unwrap()
+    }
+
+    fn server_error() -> Result<InferResponse, CloudError> {
+        Err(CloudError::Status { url: "u".into(), status: 500, body: "poison".into() })
+    }
+
     #[test]
     fn the_oldest_make_room_and_end_with_the_edge_answer_and_the_rest_survive_a_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let ended = Mutex::new(Vec::new());
-        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
-            assert!(cloud.is_none(), "a dropped entry never had the cloud's answer");
-            ended.lock().unwrap().push(e.route.topic);
-        };
         {
-            let (_spool, mut task) = open(dir.path(), limits(3, u64::MAX)).unwrap();
+            let (_spool, mut task, mut rx) = reopen(dir.path(), limits(3, u64::MAX));
             for n in 0..5 {
-                assert!(task.store(entry(n), &send).is_some());
+                assert!(task.store(entry(n)).is_some());
             }
             assert_eq!(task.entries, 3);
             task.db.flush().unwrap();
+            let (what, _) = ended(&mut rx);
+            assert_eq!(what, vec![("dev/0".into(), false), ("dev/1".into(), false)], "oldest first");
         }
-        assert_eq!(*ended.lock().unwrap(), vec!["dev/0", "dev/1"], "oldest first");
-        let (_spool, task) = reopen(dir.path(), limits(3, u64::MAX));
+        let (_spool, task, _rx) = reopen(dir.path(), limits(3, u64::MAX));
         assert_eq!(task.entries, 3, "counted again at open");
         assert_eq!(topics(&task), vec!["dev/2", "dev/3", "dev/4"], "in arrival order");
         let one = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry: entry(0) }).len() as u64;
         drop(task);
-        drop(_spool);
-        let (_spool, mut task) = reopen(dir.path(), limits(100, 2 * one));
-        assert!(task.store(entry(9), &send).is_some());
+        let (_spool, mut task, _rx) = reopen(dir.path(), limits(100, 2 * one));
+        assert!(task.store(entry(9)).is_some());
         assert_eq!(task.entries, 2, "the byte bound holds too");
         assert!(task.bytes <= 2 * one);
     }
@@ -516,7 +605,7 @@ mod tests {
             }
             db.flush().unwrap();
         }
-        let (_spool, task) = reopen(dir.path(), limits(10, u64::MAX));
+        let (_spool, task, _rx) = reopen(dir.path(), limits(10, u64::MAX));
         assert_eq!(topics(&task), vec!["dev/0", "dev/1"]);
         assert_eq!(task.entries, 2);
         assert!(task.db.iter().next().is_none(), "the old tree is empty");
@@ -525,62 +614,89 @@ mod tests {
     #[tokio::test]
     async fn an_escalation_whose_request_stopped_waiting_is_withdrawn() {
         let dir = tempfile::tempdir().unwrap();
-        let (_spool, mut task) = open(dir.path(), limits(10, u64::MAX)).unwrap();
-        let send = |_: SpoolEntry, _: Option<InferResponse>| panic!("nothing ends here");
+        let (_spool, mut task, _rx) = reopen(dir.path(), limits(10, u64::MAX));
         let (waiting, stored) = tokio::sync::oneshot::channel();
         let (gone, dropped) = tokio::sync::oneshot::channel::<bool>();
         drop(dropped);
-        task.store_all(vec![(entry(1), waiting), (entry(2), gone)], &send).await;
+        task.store_all(vec![(entry(1), waiting), (entry(2), gone)]).await;
         assert!(stored.await.unwrap(), "the waiting request hears it is on disk");
         assert_eq!(topics(&task), vec!["dev/1"], "the abandoned one would have been a second final");
         assert_eq!(task.entries, 1);
     }
 
-    fn answer() -> InferResponse {
-        serde_json::from_str(r#"{"model_name": "digits-large", "outputs": []}"#).unwrap()
+    /// Issue 16, finding 1: an entry used to leave the store as soon as its
+    /// reply was handed on, before the broker had it.
+    #[tokio::test]
+    async fn an_entry_stays_until_the_broker_has_its_final_reply() {
+        let dir = tempfile::tempdir().unwrap();
+        let cloud = cloud();
+        {
+            let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
+            task.store(entry(0)).unwrap();
+            let Next::Call(key, stored) = task.next(&cloud) else { panic!("due") };
+            task.settle(key, stored, Ok(answer())).await;
+            let (what, deliveries) = ended(&mut rx);
+            assert_eq!(what, vec![("dev/0".into(), true)]);
+            assert!(matches!(task.next(&cloud), Next::Idle), "not asked of the cloud twice");
+            // Not delivered (the session was lost with it): asked again later.
+            drop(deliveries);
+            task.delivery_reports();
+            assert_eq!(task.entries, 1);
+            task.backoff.clear();
+            let Next::Call(key, stored) = task.next(&cloud) else { panic!("due again") };
+            task.settle(key, stored, Ok(answer())).await;
+            let (_, deliveries) = ended(&mut rx);
+            // The node dies before the broker acknowledged: kept on disk.
+            std::mem::forget(deliveries);
+            task.db.flush().unwrap();
+        }
+        let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
+        assert_eq!(topics(&task), vec!["dev/0"], "still there after a restart");
+        let Next::Call(key, stored) = task.next(&cloud) else { panic!("due after the restart") };
+        task.settle(key, stored, Ok(answer())).await;
+        let (_, deliveries) = ended(&mut rx);
+        deliveries.into_iter().for_each(Delivery::confirm);
+        task.delivery_reports();
+        assert_eq!(task.entries, 0, "gone once the broker has it");
+        assert!(matches!(task.next(&cloud), Next::Idle));
     }
 
     #[tokio::test]
     async fn an_entry_the_cloud_keeps_failing_steps_aside_then_ends_after_its_attempts() {
         let dir = tempfile::tempdir().unwrap();
-        let (_spool, mut task) = open(dir.path(), limits(10, u64::MAX)).unwrap();
-        let ended = Mutex::new(Vec::new());
-        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
-            ended.lock().unwrap().push((e.route.topic, cloud.is_some()));
-        };
+        let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
         for n in 0..3 {
-            task.store(entry(n), &send).unwrap();
+            task.store(entry(n)).unwrap();
         }
         let cloud = cloud();
-        let server_error = || Err(CloudError::Status { url: "u".into(), status: 500, body: "poison".into() });
         let Next::Call(poison, stored) = task.next(&cloud) else { panic!("the oldest is due") };
         assert_eq!(stored.entry.route.topic, "dev/0");
-        task.settle(poison.clone(), stored, server_error(), &send).await;
+        task.settle(poison.clone(), stored, server_error()).await;
         // The failed one waits its turn; the ones behind it go meanwhile.
         let Next::Call(key, stored) = task.next(&cloud) else { panic!("the next is due") };
         assert_eq!(stored.entry.route.topic, "dev/1");
-        task.settle(key, stored, Ok(answer()), &send).await;
+        task.settle(key, stored, Ok(answer())).await;
         // An outage (no answer at all) keeps the entry in its place, unpunished.
         let Next::Call(key, stored) = task.next(&cloud) else { panic!("dev/2 is due") };
         let unreachable = Err(CloudError::Unreachable { url: "u".into(), reason: "refused".into() });
-        task.settle(key, stored, unreachable, &send).await;
+        task.settle(key, stored, unreachable).await;
         assert!(matches!(task.next(&cloud), Next::WaitUntil(_)), "paused");
         task.paused_until = None;
         let Next::Call(key, stored) = task.next(&cloud) else { panic!("dev/2 again") };
         assert_eq!((stored.entry.route.topic.as_str(), stored.attempts), ("dev/2", 0));
-        task.settle(key, stored, Ok(answer()), &send).await;
+        task.settle(key, stored, Ok(answer())).await;
         // The poison one: its attempts are on disk; the third ends it.
         for attempt in 2..=3 {
             assert!(matches!(task.next(&cloud), Next::WaitUntil(_)), "backing off");
             task.backoff.clear();
             let Next::Call(key, stored) = task.next(&cloud) else { panic!("due again") };
             assert_eq!((key.as_slice(), stored.attempts), (poison.as_slice(), attempt - 1));
-            task.settle(key, stored, server_error(), &send).await;
+            task.settle(key, stored, server_error()).await;
         }
-        assert_eq!(
-            *ended.lock().unwrap(),
-            vec![("dev/1".to_string(), true), ("dev/2".to_string(), true), ("dev/0".to_string(), false)]
-        );
+        let (what, deliveries) = ended(&mut rx);
+        assert_eq!(what, vec![("dev/1".into(), true), ("dev/2".into(), true), ("dev/0".into(), false)]);
+        deliveries.into_iter().for_each(Delivery::confirm);
+        task.delivery_reports();
         assert_eq!(task.entries, 0);
         assert!(matches!(task.next(&cloud), Next::Idle));
     }
@@ -590,16 +706,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut l = limits(10, u64::MAX);
         l.max_age = Duration::from_millis(1);
-        let (_spool, mut task) = open(dir.path(), l).unwrap();
-        let ended = Mutex::new(Vec::new());
-        let send = |e: SpoolEntry, cloud: Option<InferResponse>| {
-            ended.lock().unwrap().push((e.route.topic, cloud.is_some()));
-        };
-        task.store(entry(0), &send).unwrap();
+        let (_spool, mut task, mut rx) = reopen(dir.path(), l);
+        task.store(entry(0)).unwrap();
         task.paused_until = Some(Instant::now() + Duration::from_secs(60));
         tokio::time::sleep(Duration::from_millis(10)).await;
-        task.expire(&send);
-        assert_eq!(*ended.lock().unwrap(), vec![("dev/0".to_string(), false)]);
-        assert_eq!(task.entries, 0);
+        task.expire();
+        task.expire();
+        let (what, _deliveries) = ended(&mut rx);
+        assert_eq!(what, vec![("dev/0".into(), false)], "once");
     }
 }

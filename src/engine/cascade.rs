@@ -10,8 +10,7 @@ use super::postprocess::{self, EdgeAnswer};
 use crate::cloud::{Cloud, CloudError, Spool, SpoolEntry};
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::{
-    Confidence, Encoding, Enrich, FollowUp, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy,
-    Tier,
+    Confidence, Encoding, Enrich, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy, Tier,
 };
 use crate::telemetry;
 use std::future::Future;
@@ -288,7 +287,7 @@ pub fn finish(
     entry: &SpoolEntry,
     cloud: Option<InferResponse>,
     node: &str,
-) -> Option<FollowUp> {
+) -> Option<(ReplyRoute, Vec<u8>)> {
     let req: InferRequest = serde_json::from_slice(&entry.request).ok()?;
     let edge: InferResponse = serde_json::from_slice(&entry.edge).ok()?;
     let cloud = match (model, cloud) {
@@ -305,8 +304,5 @@ pub fn finish(
     reply.id = req.id.clone();
     reply.parameters.is_final = Some(true);
     let encoding = Encoding::from_content_type(entry.route.content_type.as_deref());
-    Some(FollowUp {
-        route: entry.route.clone(),
-        payload: crate::protocol::codec::encode_reply(&req.id, Ok(reply), encoding),
-    })
+    Some((entry.route.clone(), crate::protocol::codec::encode_reply(&req.id, Ok(reply), encoding)))
 }

@@ -146,6 +146,9 @@ impl Engine {
         req: InferRequest,
     ) -> Result<InferResponse, InferError> {
         panic_on_marked_request(&req.id);
+        if let Some(delay) = injected_delay(&req.id) {
+            tokio::time::sleep(delay).await;
+        }
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
         let runner = resolve::resolve(&generation.runners, &envelope, &req)?;
         let model = runner.model();
@@ -238,13 +241,23 @@ impl Engine {
     ) {
         let engine = Arc::downgrade(self);
         tokio::spawn(async move {
-            while let Some(Settled { entry, cloud }) = settled.recv().await {
+            while let Some(Settled { entry, cloud, delivery }) = settled.recv().await {
                 let Some(engine) = engine.upgrade() else { return };
                 let generation = engine.current();
                 let model = generation.registry.get(&entry.model, None).ok();
                 let node = &generation.options.node_id;
-                if let Some(reply) = cascade::finish(model.as_deref(), &entry, cloud, node) {
-                    let _ = follow_ups.send(reply);
+                match cascade::finish(model.as_deref(), &entry, cloud, node) {
+                    Some((route, payload)) => {
+                        let _ = follow_ups.send(FollowUp { route, payload, delivery });
+                    }
+                    None => {
+                        // Nothing can be sent for it, now or later.
+                        tracing::warn!(
+                            "cloud spool: an unreadable escalation of {} was dropped",
+                            entry.model
+                        );
+                        delivery.confirm();
+                    }
                 }
             }
         });
@@ -341,6 +354,23 @@ fn panic_on_marked_request(id: &str) -> Option<()> {
             panic!("failpoint request_panic: request {id}");
         }
         None
+    });
+    None
+}
+
+/// Fault injection (`--features failpoints`): `FAILPOINTS=request_delay=return(MS)`
+/// holds every request `MS` milliseconds, to have many in flight at once;
+/// `return(ID:MS)` only request `ID`.
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn injected_delay(id: &str) -> Option<Duration> {
+    fail::fail_point!("request_delay", |arg: Option<String>| {
+        let arg = arg?;
+        let ms = match arg.rsplit_once(':') {
+            Some((only, ms)) if only == id => ms,
+            Some(_) => return None,
+            None => arg.as_str(),
+        };
+        ms.parse().ok().map(Duration::from_millis)
     });
     None
 }

@@ -9,7 +9,7 @@ mod reply;
 mod types;
 
 pub use error::{ErrorCode, ErrorParameters, ErrorReply, InferError};
-pub use reply::{FollowUp, ReplyRoute};
+pub use reply::{Delivery, FollowUp, ReplyRoute};
 pub use types::*;
 
 /// How a payload is encoded; replies use the request's encoding.

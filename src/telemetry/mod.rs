@@ -16,6 +16,10 @@ pub const STAGE_SECONDS: &str = "edgeinfer_stage_duration_seconds";
 pub const BATCH_ROWS: &str = "edgeinfer_batch_rows";
 /// Requests waiting in a model's queue, by `model`.
 pub const QUEUE_DEPTH: &str = "edgeinfer_queue_depth";
+/// Publishes that will never reach the broker, by `reason`: `broker` (its
+/// PUBACK refused it, e.g. an ACL) or `too_large` (over the broker's
+/// Maximum Packet Size).
+pub const MQTT_REPLIES_REFUSED: &str = "edgeinfer_mqtt_replies_refused_total";
 /// Panics while handling a request, by `model` (it got `internal`).
 pub const REQUEST_PANICS: &str = "edgeinfer_request_panics_total";
 /// Panics in an inference thread, by `model` (its batch got `internal`).
@@ -119,6 +123,10 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_histogram!(STAGE_SECONDS, metrics::Unit::Seconds, "Time per pipeline stage");
     metrics::describe_histogram!(BATCH_ROWS, "Rows per batch run");
     metrics::describe_gauge!(QUEUE_DEPTH, "Requests waiting in the model's queue");
+    metrics::describe_counter!(
+        MQTT_REPLIES_REFUSED,
+        "Replies the broker refused (reason broker) or that exceed its Maximum Packet Size (too_large)"
+    );
     metrics::describe_counter!(REQUEST_PANICS, "Panics while handling a request; it was answered internal");
     metrics::describe_counter!(
         INFERENCE_PANICS,

@@ -1,31 +1,41 @@
 //! In-order acknowledgements. MQTT requires PUBACKs in the order the
 //! PUBLISHes arrived [MQTT-4.6.0-2] (rumqttd disconnects a client that breaks
-//! this), while requests finish in any order. One task owns the queue: the
-//! event loop registers each request as it arrives, the request's task
-//! reports it finished, and acknowledgements go out from the head.
+//! this), while requests finish in any order. The MQTT loop owns `Acks`:
+//! it registers each request as it arrives and hears each finish (with its
+//! reply) over a channel; acknowledgements leave from the head, after the
+//! reply, through the same outbox.
+//!
+//! A session has an epoch: when the broker lost our session (CONNACK with
+//! `session_present = false`) the packet ids of the old one mean nothing, so
+//! none of its acknowledgements is sent into the new one.
 
-use rumqttc::v5::AsyncClient;
 use rumqttc::v5::mqttbytes::v5::Publish;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use tokio::sync::mpsc;
 
-enum Message {
-    Arrived(u64, Box<Publish>),
-    Done(u64),
-    /// Stop after handing out what is releasable now; later requests stay
-    /// unacknowledged, so the broker redelivers them.
-    Close(tokio::sync::oneshot::Sender<()>),
+/// A request finished: its reply (if it has one), and its place in line.
+pub struct Finished {
+    pub seq: u64,
+    pub epoch: u64,
+    pub pkid: u16,
+    pub reply: Option<super::outbox::Reply>,
 }
 
-pub struct AckQueue {
-    tx: mpsc::UnboundedSender<Message>,
-    next: u64,
-}
-
-/// A request's place in the queue; dropping it reports the request finished.
+/// A request's place in line; `send` (or dropping it, e.g. when its task
+/// was aborted) reports it finished.
 pub struct AckSlot {
     seq: u64,
-    tx: mpsc::UnboundedSender<Message>,
+    epoch: u64,
+    pkid: u16,
+    tx: Option<mpsc::UnboundedSender<Finished>>,
+}
+
+impl AckSlot {
+    pub fn send(mut self, reply: Option<super::outbox::Reply>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply });
+        }
+    }
 }
 
 impl Drop for AckSlot {
@@ -36,52 +46,86 @@ impl Drop for AckSlot {
         if std::thread::panicking() {
             tracing::error!("a request task panicked before its reply was sent; acknowledging it anyway");
         }
-        let _ = self.tx.send(Message::Done(self.seq));
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply: None });
+        }
     }
 }
 
-impl AckQueue {
-    pub fn start(client: AsyncClient) -> AckQueue {
+/// What this session knows of a packet id the broker used.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Seen {
+    Running,
+    /// Answered; its acknowledgement waits for earlier requests.
+    Answered,
+    /// Its acknowledgement was released to the outbox.
+    Acked,
+}
+
+pub struct Acks {
+    order: Sequencer<Publish>,
+    next: u64,
+    epoch: u64,
+    /// Requests of this session by packet id, so a redelivery (DUP) of one
+    /// is not run twice: rumqttc drops acknowledgements still queued when a
+    /// connection breaks, and the broker then sends those requests again.
+    seen: HashMap<u16, Seen>,
+    tx: mpsc::UnboundedSender<Finished>,
+}
+
+impl Acks {
+    pub fn new() -> (Acks, mpsc::UnboundedReceiver<Finished>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(client, rx));
-        AckQueue { tx, next: 0 }
+        (Acks { order: Sequencer::default(), next: 0, epoch: 0, seen: HashMap::new(), tx }, rx)
+    }
+
+    /// What this session already knows of a request that arrived again.
+    pub fn redelivered(&self, publish: &Publish) -> Option<Seen> {
+        publish.dup.then(|| self.seen.get(&publish.pkid).copied()).flatten()
     }
 
     /// Call in arrival order, from the task that reads the connection.
     pub fn arrived(&mut self, publish: &Publish) -> AckSlot {
         let seq = self.next;
         self.next += 1;
-        let _ = self.tx.send(Message::Arrived(seq, Box::new(publish.clone())));
-        AckSlot { seq, tx: self.tx.clone() }
+        self.seen.insert(publish.pkid, Seen::Running);
+        let released = self.order.arrived(seq, publish.clone());
+        debug_assert!(released.is_empty(), "nothing is done before it arrived");
+        AckSlot { seq, epoch: self.epoch, pkid: publish.pkid, tx: Some(self.tx.clone()) }
     }
 
-    /// Acknowledges every request finished so far (in order), then stops:
-    /// requests still running, or finishing later, are never acknowledged.
-    /// Returns once the acknowledgements are queued on the client.
-    pub async fn close(&self) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        if self.tx.send(Message::Close(tx)).is_ok() {
-            let _ = rx.await;
-        }
+    /// A redelivered request acknowledged before (the acknowledgement was
+    /// lost): acknowledged again, in line.
+    pub fn again(&mut self, publish: &Publish) -> Vec<Publish> {
+        let seq = self.next;
+        self.next += 1;
+        self.order.arrived(seq, publish.clone());
+        self.released(seq)
     }
-}
 
-async fn run(client: AsyncClient, mut rx: mpsc::UnboundedReceiver<Message>) {
-    let mut order = Sequencer::default();
-    while let Some(message) = rx.recv().await {
-        let released = match message {
-            Message::Arrived(seq, p) => order.arrived(seq, p),
-            Message::Done(seq) => order.done(seq),
-            Message::Close(done) => {
-                let _ = done.send(());
-                return;
-            }
-        };
-        for publish in released {
-            if client.ack(&publish).await.is_err() {
-                return;
-            }
+    /// The acknowledgements `finished` releases, in order; none for a
+    /// request of a lost session.
+    pub fn finished(&mut self, finished: &Finished) -> Vec<Publish> {
+        if finished.epoch != self.epoch {
+            return Vec::new();
         }
+        self.seen.insert(finished.pkid, Seen::Answered);
+        self.released(finished.seq)
+    }
+
+    fn released(&mut self, seq: u64) -> Vec<Publish> {
+        let released = self.order.done(seq);
+        for request in &released {
+            self.seen.insert(request.pkid, Seen::Acked);
+        }
+        released
+    }
+
+    /// The broker lost our session: forget its requests' packet ids.
+    pub fn new_session(&mut self) {
+        self.epoch += 1;
+        self.order = Sequencer { base: self.next, queue: VecDeque::new() };
+        self.seen.clear();
     }
 }
 
@@ -161,6 +205,43 @@ mod tests {
             }
             assert_eq!(released, (0..n).collect::<Vec<_>>(), "round {round}");
         }
+    }
+
+    /// Issue 16, finding 6: the queue used to outlive a lost session, so an
+    /// old request's acknowledgement could carry a packet id the broker had
+    /// since given to a new request.
+    #[tokio::test]
+    async fn a_lost_session_sends_none_of_its_acknowledgements_and_redeliveries_run_once() {
+        use super::{Acks, Seen};
+        use rumqttc::v5::mqttbytes::QoS;
+        use rumqttc::v5::mqttbytes::v5::Publish;
+        let request = |pkid: u16, dup: bool| {
+            let mut p = Publish::new("edgeinfer/n/infer/digits", QoS::AtLeastOnce, "{}", None);
+            p.pkid = pkid;
+            p.dup = dup;
+            p
+        };
+        let (mut acks, mut finished) = Acks::new();
+        let old = acks.arrived(&request(1, false));
+        let answered = acks.arrived(&request(2, false));
+        answered.send(None);
+        let done = finished.recv().await.unwrap();
+        assert!(acks.finished(&done).is_empty(), "1 is still running, 2 waits behind it");
+        // The connection broke; the session resumed: the broker sends both again.
+        assert_eq!(acks.redelivered(&request(1, true)), Some(Seen::Running), "not run twice");
+        assert_eq!(acks.redelivered(&request(2, true)), Some(Seen::Answered), "its PUBACK is still to come");
+        assert_eq!(acks.redelivered(&request(2, false)), None, "a new message reusing the id");
+        // Then the session is lost: packet id 1 now belongs to a new request.
+        acks.new_session();
+        assert_eq!(acks.redelivered(&request(1, true)), None);
+        let new = acks.arrived(&request(1, false));
+        old.send(None);
+        let done = finished.recv().await.unwrap();
+        assert!(acks.finished(&done).is_empty(), "the old request's PUBACK would acknowledge the new one");
+        new.send(None);
+        let done = finished.recv().await.unwrap();
+        let released: Vec<u16> = acks.finished(&done).iter().map(|p| p.pkid).collect();
+        assert_eq!(released, vec![1]);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The MQTT 5 request/response adapter. One task owns the connection (the
-//! rumqttc event loop); each request runs in its own task and is acknowledged
-//! only after its reply has been handed to the client, so a node that dies
-//! mid-request leaves the request with the broker for redelivery.
+//! rumqttc event loop) and everything published on it (the outbox); each
+//! request runs in its own task and hands its reply back to that loop, which
+//! sends the reply and then the request's acknowledgement, so a node that
+//! dies mid-request leaves the request with the broker for redelivery.
 
 mod acks;
 mod options;
+mod outbox;
 mod topics;
 
 pub use options::{BrokerAddress, OptionsError, client_options};
@@ -14,12 +16,15 @@ use crate::engine::{Engine, Envelope};
 use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, FollowUp, InferError, ReplyRoute};
 use crate::telemetry::{State, Status};
-use acks::{AckQueue, AckSlot};
+use acks::{AckSlot, Acks, Finished, Seen};
+use outbox::{Note, Outbox, Reply};
+use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, SubscribeReasonCode};
-use rumqttc::v5::{AsyncClient, Event, EventLoop, Request};
+use rumqttc::v5::{AsyncClient, Event, EventLoop};
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 
@@ -106,13 +111,16 @@ impl MqttService {
     /// never end it: it reconnects with exponential backoff and jitter.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         let mut follow_ups = self.follow_ups.take();
-        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 4096);
+        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
+        let mut conn = Connection {
+            client,
+            outbox: Outbox::default(),
+            connected: false,
+            max_reply: Arc::new(AtomicUsize::new(usize::MAX)),
+        };
         let permits = Arc::new(Semaphore::new(self.max_in_flight));
-        let mut acks = AckQueue::start(client.clone());
+        let (mut acks, mut finished) = Acks::new();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        // Replies rumqttc had not seen acknowledged when the connection broke;
-        // it drops them if the broker lost our session, so we send them again.
-        let mut unacked_replies: Vec<Publish> = Vec::new();
         let mut awaiting_suback = false;
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
@@ -120,29 +128,33 @@ impl MqttService {
         let mut tasks = tokio::task::JoinSet::new();
         loop {
             self.heartbeat.beat();
+            conn.flush();
             let event = tokio::select! {
                 _ = &mut shutdown => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+                Some(done) = finished.recv() => {
+                    conn.finished(&mut acks, done);
+                    continue;
+                }
                 Some(follow_up) = next_follow_up(&mut follow_ups) => {
                     let props = PublishProperties {
                         correlation_data: follow_up.route.correlation.map(Into::into),
                         content_type: follow_up.route.content_type,
                         ..Default::default()
                     };
-                    let _ = client
-                        .publish_with_properties(follow_up.route.topic, QoS::AtLeastOnce, false, follow_up.payload, props)
-                        .await;
+                    let publish =
+                        Publish::new(follow_up.route.topic, QoS::AtLeastOnce, follow_up.payload, Some(props));
+                    conn.outbox.publish(publish, Note::FollowUp(follow_up.delivery));
                     continue;
                 }
                 _ = self.refresh.notified() => {
                     if *self.ready_tx.borrow() {
-                        let status = self.status.snapshot(State::Online, self.engine.live());
-                        let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
+                        self.publish_status(&mut conn, State::Online);
                     }
                     continue;
                 }
                 _ = stats_tick.tick(), if self.stats_interval.is_some() => {
-                    self.publish_stats(&client).await;
+                    self.publish_stats(&mut conn).await;
                     continue;
                 }
                 event = eventloop.poll() => event,
@@ -150,21 +162,22 @@ impl MqttService {
             match event {
                 Ok(Event::Incoming(Packet::ConnAck(ack))) => {
                     backoff.reset();
+                    conn.connected = true;
+                    let max_packet = ack.properties.as_ref().and_then(|p| p.max_packet_size);
+                    conn.outbox.set_max_packet(max_packet);
+                    conn.max_reply.store(max_packet.map_or(usize::MAX, |m| m as usize), Ordering::Relaxed);
                     if !ack.session_present {
-                        self.subscribe(&client).await;
+                        // The broker lost our session: the requests it held
+                        // for us are gone with their packet ids; the replies
+                        // rumqttc had not seen acknowledged go again.
+                        acks.new_session();
+                        conn.outbox.session_lost();
+                        self.subscribe(&conn.client);
                         awaiting_suback = true;
-                        for reply in unacked_replies.drain(..) {
-                            let topic = String::from_utf8_lossy(&reply.topic).into_owned();
-                            let props = reply.properties.clone().unwrap_or_default();
-                            let _ = client
-                                .publish_with_properties(topic, QoS::AtLeastOnce, false, reply.payload, props)
-                                .await;
-                        }
                     } else {
                         // The session resumed with its subscriptions, and
                         // rumqttc resends the unacknowledged replies itself.
-                        unacked_replies.clear();
-                        self.announce_ready(&client, "resumed").await;
+                        self.announce_ready(&mut conn, "resumed");
                     }
                 }
                 Ok(Event::Incoming(Packet::SubAck(ack))) => {
@@ -176,44 +189,55 @@ impl MqttService {
                     } else if std::mem::take(&mut awaiting_suback) {
                         // Ready only now: a request published before the
                         // broker took the subscription would reach no one.
-                        self.announce_ready(&client, "new").await;
+                        self.announce_ready(&mut conn, "new");
                     }
                 }
-                Ok(Event::Incoming(Packet::Publish(publish))) => {
-                    let permit = permits.clone().try_acquire_owned().ok();
-                    let ack = acks.arrived(&publish);
-                    let task = RequestTask {
-                        engine: self.engine.clone(),
-                        client: client.clone(),
-                        topics: self.topics.clone(),
-                    };
-                    tasks.spawn(async move {
-                        task.handle(publish, permit.is_some(), ack).await;
-                        drop(permit);
-                    });
-                }
+                Ok(Event::Incoming(Packet::Publish(publish))) => match acks.redelivered(&publish) {
+                    // Acknowledged, but rumqttc dropped the acknowledgement
+                    // at a reconnect: again, without running it twice.
+                    Some(Seen::Acked) if !conn.outbox.acks(publish.pkid) => {
+                        acks.again(&publish).into_iter().for_each(|p| conn.outbox.ack(p))
+                    }
+                    // Running or answered: its acknowledgement is to come.
+                    Some(_) => {}
+                    None => {
+                        let permit = permits.clone().try_acquire_owned().ok();
+                        let slot = acks.arrived(&publish);
+                        let task = RequestTask {
+                            engine: self.engine.clone(),
+                            topics: self.topics.clone(),
+                            max_reply: conn.max_reply.clone(),
+                        };
+                        tasks.spawn(async move {
+                            task.handle(publish, permit.is_some(), slot).await;
+                            drop(permit);
+                        });
+                    }
+                },
+                Ok(Event::Outgoing(Outgoing::Publish(pkid))) => conn.outbox.written(pkid),
+                Ok(Event::Incoming(Packet::PubAck(ack))) => conn.outbox.acknowledged(ack.pkid, ack.reason),
                 Ok(_) => {}
                 Err(e) => {
+                    conn.connected = false;
                     self.ready_tx.send_replace(false);
                     awaiting_suback = false;
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    save_unacked(&eventloop, &mut unacked_replies);
                     let wait = backoff.next();
                     tracing::warn!("MQTT connection: {e}; reconnecting in {} ms", wait.as_millis());
                     tokio::time::sleep(wait).await;
                 }
             }
         }
-        self.drain(&client, &mut eventloop, &mut tasks, &acks).await;
+        self.drain(&mut conn, &mut eventloop, &mut tasks, &mut acks, &mut finished).await;
         let offline = self.status.snapshot(State::Offline, self.engine.live());
-        let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, offline).await;
-        let _ = client.disconnect().await;
+        let _ = conn.client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, offline);
+        let _ = conn.client.try_disconnect();
         // Flush the offline status and the DISCONNECT.
         let _ = tokio::time::timeout(Duration::from_secs(2), async {
             loop {
                 match eventloop.poll().await {
-                    Ok(Event::Outgoing(rumqttc::Outgoing::Disconnect)) | Err(_) => break,
+                    Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
                     _ => {}
                 }
             }
@@ -222,33 +246,51 @@ impl MqttService {
     }
 
     /// Finishes the requests in flight while the event loop keeps carrying
-    /// their replies; requests arriving meanwhile are left unacknowledged.
+    /// their replies, and waits for the broker to acknowledge what the
+    /// outbox holds; requests arriving meanwhile are left unacknowledged.
+    /// Follow-ups not acknowledged by then stay in the spool for the next
+    /// start.
     async fn drain(
         &self,
-        client: &AsyncClient,
+        conn: &mut Connection,
         eventloop: &mut EventLoop,
         tasks: &mut tokio::task::JoinSet<()>,
-        acks: &AckQueue,
+        acks: &mut Acks,
+        finished: &mut tokio::sync::mpsc::UnboundedReceiver<Finished>,
     ) {
         self.ready_tx.send_replace(false);
-        let draining = self.status.snapshot(State::Draining, self.engine.live());
-        let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, draining);
+        self.publish_status(conn, State::Draining);
         let running = tasks.len();
         let deadline = tokio::time::Instant::now() + self.drain_timeout;
         let mut held_back = 0usize;
-        while !tasks.is_empty() {
+        loop {
+            // A task sends its reply before it ends: take what is there
+            // before deciding nothing is left.
+            while let Ok(done) = finished.try_recv() {
+                conn.finished(acks, done);
+            }
+            if tasks.is_empty() && conn.outbox.is_idle() {
+                break;
+            }
+            conn.flush();
             tokio::select! {
-                _ = tasks.join_next() => {}
+                _ = tasks.join_next(), if !tasks.is_empty() => {}
+                Some(done) = finished.recv() => conn.finished(acks, done),
                 event = eventloop.poll() => match event {
                     Ok(Event::Incoming(Packet::Publish(_))) => held_back += 1,
+                    Ok(Event::Incoming(Packet::ConnAck(_))) => conn.connected = true,
+                    Ok(Event::Outgoing(Outgoing::Publish(pkid))) => conn.outbox.written(pkid),
+                    Ok(Event::Incoming(Packet::PubAck(ack))) => conn.outbox.acknowledged(ack.pkid, ack.reason),
                     Ok(_) => {}
-                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    Err(_) => {
+                        conn.connected = false;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 },
                 _ = tokio::time::sleep_until(deadline) => break,
             }
         }
         let unfinished = tasks.len();
-        acks.close().await;
         tasks.abort_all();
         tracing::info!(
             "drained: {} of {running} requests in flight finished; {unfinished} unfinished and {held_back} \
@@ -257,35 +299,45 @@ impl MqttService {
         );
     }
 
+    /// The retained status, through the outbox.
+    fn publish_status(&self, conn: &mut Connection, state: State) {
+        let status = self.status.snapshot(state, self.engine.live());
+        let publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, status, None);
+        let mut publish = publish;
+        publish.retain = true;
+        conn.outbox.publish(publish, Note::Status);
+    }
+
     /// The periodic `stats` message, and the retained status refreshed with
     /// uptime and request counts, for fleets that cannot scrape.
-    async fn publish_stats(&self, client: &AsyncClient) {
+    async fn publish_stats(&self, conn: &mut Connection) {
         let interval = self.stats_interval.unwrap_or(Duration::from_secs(1));
         let stats = serde_json::json!({
             "node": self.status.node,
             "interval_s": interval.as_secs(),
             "models": self.engine.take_stats(interval).await,
         });
-        let _ = client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
+        if conn.connected {
+            // QoS 0, so not tracked: it goes straight to the client.
+            let _ = conn.client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
+        }
         if *self.ready_tx.borrow() {
-            let status = self.status.snapshot(State::Online, self.engine.live());
-            let _ = client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, status);
+            self.publish_status(conn, State::Online);
         }
     }
 
     /// Both filters in one SUBSCRIBE, so one SUBACK confirms them.
-    async fn subscribe(&self, client: &AsyncClient) {
+    fn subscribe(&self, client: &AsyncClient) {
         let filters = [self.topics.node_requests(), self.topics.shared_requests()]
             .map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
-        if let Err(e) = client.subscribe_many(filters).await {
+        if let Err(e) = client.try_subscribe_many(filters) {
             tracing::error!("subscribing to the request topics: {e}");
         }
     }
 
     /// Subscriptions are in place: status online, readiness, one log line.
-    async fn announce_ready(&self, client: &AsyncClient, session: &str) {
-        let status = self.status.snapshot(State::Online, self.engine.live());
-        let _ = client.publish(self.topics.status(), QoS::AtLeastOnce, true, status).await;
+    fn announce_ready(&self, conn: &mut Connection, session: &str) {
+        self.publish_status(conn, State::Online);
         metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
         self.ready_tx.send_replace(true);
         tracing::info!(
@@ -293,6 +345,37 @@ impl MqttService {
             self.topics.node_requests(),
             self.topics.shared_requests()
         );
+    }
+}
+
+/// The connection as the loop holds it: the client, what waits to go out
+/// on it, and whether rumqttc may be handed anything now.
+struct Connection {
+    client: AsyncClient,
+    outbox: Outbox,
+    connected: bool,
+    /// The broker's Maximum Packet Size, for the request tasks: a reply
+    /// larger than it becomes a `too_large` error reply.
+    max_reply: Arc<AtomicUsize>,
+}
+
+impl Connection {
+    fn flush(&mut self) {
+        if self.connected {
+            self.outbox.flush(&self.client);
+        }
+    }
+
+    /// A request finished: its reply goes out, then the acknowledgements
+    /// that releases, in arrival order.
+    fn finished(&mut self, acks: &mut Acks, done: Finished) {
+        let released = acks.finished(&done);
+        if let Some(Reply { publish, id }) = done.reply {
+            self.outbox.publish(publish, Note::Reply { id });
+        }
+        for request in released {
+            self.outbox.ack(request);
+        }
     }
 }
 
@@ -304,31 +387,15 @@ async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<Fol
     }
 }
 
-fn save_unacked(eventloop: &EventLoop, saved: &mut Vec<Publish>) {
-    for request in &eventloop.pending {
-        if let Request::Publish(p) = request
-            && p.qos != QoS::AtMostOnce
-            // The same reply saved at an earlier disconnect (the broker has
-            // not come back since); two devices' identical answers differ in
-            // their correlation data, so properties are part of the identity.
-            && !saved.iter().any(|s| s.topic == p.topic && s.payload == p.payload && s.properties == p.properties)
-        {
-            let mut p = p.clone();
-            p.dup = false;
-            saved.push(p);
-        }
-    }
-}
-
 struct RequestTask {
     engine: Arc<Engine>,
-    client: AsyncClient,
     topics: Topics,
+    max_reply: Arc<AtomicUsize>,
 }
 
 impl RequestTask {
-    /// Answers one request; dropping `ack` at the end lets its
-    /// acknowledgement go out, after the reply was handed to the client.
+    /// Answers one request, handing its reply (or none, with nowhere to
+    /// send one) back to the loop, which acknowledges the request after it.
     async fn handle(self, publish: Publish, admitted: bool, ack: AckSlot) {
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
@@ -349,7 +416,7 @@ impl RequestTask {
         let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
             metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
             tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
-            drop(ack);
+            ack.send(None);
             return;
         };
         let envelope = Envelope { transport: "mqtt", ..Envelope::model(model.unwrap_or("")) };
@@ -385,16 +452,18 @@ impl RequestTask {
             content_type: props.content_type.clone(),
             ..Default::default()
         };
-        if let Err(e) = self
-            .client
-            .publish_with_properties(destination, QoS::AtLeastOnce, false, reply.payload, reply_props)
-            .await
-        {
-            // Only when the client is shutting down; the acknowledgement task
-            // is gone too, so the broker keeps the request for redelivery.
-            tracing::warn!(id = %reply.id, "reply not handed to the client: {e}");
+        let mut publish = Publish::new(destination, QoS::AtLeastOnce, reply.payload, Some(reply_props));
+        let max = self.max_reply.load(Ordering::Relaxed);
+        if publish.size() > max {
+            // Sent as it is, it would fail the write and drop the connection.
+            let error = InferError::too_large(format!(
+                "the reply has {} bytes, more than the broker's Maximum Packet Size {max}; \
+                 send fewer rows per request",
+                publish.size()
+            ));
+            publish.payload = crate::protocol::codec::encode_reply(&reply.id, Err(error), encoding).into();
         }
-        drop(ack);
+        ack.send(Some(Reply { publish, id: reply.id }));
     }
 }
 
@@ -425,50 +494,6 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn replies_pending_at_a_disconnect_are_kept_once_for_republishing() {
-        use rumqttc::v5::mqttbytes::v5::PubAck;
-        let options = rumqttc::v5::MqttOptions::new("t", "127.0.0.1", 1);
-        let mut eventloop = EventLoop::new(options, 8);
-        let reply = |topic: &str, body: &'static [u8]| {
-            let mut p = Publish::new(topic, QoS::AtLeastOnce, body, None);
-            p.pkid = 7;
-            p.dup = true;
-            Request::Publish(p)
-        };
-        eventloop.pending.push_back(reply("devices/a/replies", b"one"));
-        eventloop.pending.push_back(Request::PubAck(PubAck::new(3, None)));
-        eventloop.pending.push_back(reply("devices/b/replies", b"two"));
-        // Two requests on one shared reply topic, answered alike: kept apart
-        // by their correlation data.
-        let correlated = |c: &'static [u8]| {
-            let mut p = Publish::new("devices/shared", QoS::AtLeastOnce, "same", None);
-            p.properties = Some(PublishProperties {
-                correlation_data: Some(bytes::Bytes::from_static(c)),
-                ..Default::default()
-            });
-            Request::Publish(p)
-        };
-        eventloop.pending.push_back(correlated(b"c1"));
-        eventloop.pending.push_back(correlated(b"c2"));
-        eventloop.pending.push_back(Request::Publish(Publish::new("x", QoS::AtMostOnce, "qos0", None)));
-        let mut saved = Vec::new();
-        save_unacked(&eventloop, &mut saved);
-        // A second disconnect before the broker came back saves nothing twice.
-        save_unacked(&eventloop, &mut saved);
-        let topics: Vec<&[u8]> = saved.iter().map(|p| &p.topic[..]).collect();
-        assert_eq!(
-            topics,
-            vec![
-                &b"devices/a/replies"[..],
-                &b"devices/b/replies"[..],
-                &b"devices/shared"[..],
-                &b"devices/shared"[..]
-            ]
-        );
-        assert!(saved.iter().all(|p| !p.dup), "republished as new messages");
-    }
 
     #[test]
     fn backoff_grows_to_its_ceiling_and_resets() {

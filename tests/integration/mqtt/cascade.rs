@@ -60,14 +60,14 @@ fn edge_node(id: &str, cloud_port: u16, extra: &[(&str, &str)]) -> (Node, u16, u
 /// A fake OIP server: records each request's head, waits `delay`, answers
 /// a fixed 10-class result, or HTTP 500 to a body containing `poison`.
 /// Counts connections.
-struct FakeCloud {
-    port: u16,
+pub struct FakeCloud {
+    pub port: u16,
     heads: Arc<Mutex<Vec<String>>>,
     connections: Arc<AtomicUsize>,
 }
 
 impl FakeCloud {
-    fn start(delay: Duration) -> FakeCloud {
+    pub fn start(delay: Duration) -> FakeCloud {
         FakeCloud::start_with(delay, None)
     }
 
@@ -445,7 +445,7 @@ fn replies_to<'a>(got: &'a [(String, Value)], id: &str) -> Vec<(&'a str, String)
         .collect()
 }
 
-fn async_edge_env<'a>(
+pub fn async_edge_env<'a>(
     cloud_url: &'a str,
     state_dir: &'a str,
     extra: &[(&'a str, &'a str)],
