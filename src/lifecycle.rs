@@ -167,10 +167,12 @@ impl ReloadSource {
 }
 
 /// Reads the config and the models directory again and swaps them in. On
-/// any error the node keeps serving what it had.
+/// any error the node keeps serving what it had. Settings a reload cannot
+/// apply are compared with `started`, the config the process started with
+/// (an earlier reload did not apply them either).
 pub fn reload(
     source: &ReloadSource,
-    running: &Config,
+    started: &Config,
     engine: &Engine,
 ) -> Result<(Config, Reloaded), ReloadError> {
     let config = source.load()?;
@@ -194,7 +196,7 @@ pub fn reload(
     let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     crate::telemetry::describe_models(&registry);
     engine.reload(Arc::new(registry), EngineOptions::from_config(&config));
-    let need_restart = needing_restart(running, &config);
+    let need_restart = needing_restart(started, &config);
     Ok((config, Reloaded { serving, refused, need_restart }))
 }
 

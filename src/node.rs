@@ -38,6 +38,9 @@ pub struct Node {
     engine: Arc<Engine>,
     /// The config in service (a reload replaces it).
     running: Config,
+    /// The config the process started with: what a reload cannot apply
+    /// (the services, the cache) still runs with it.
+    config_at_start: Config,
     reload: ReloadSource,
     started: Instant,
     mqtt: JoinHandle<()>,
@@ -117,6 +120,7 @@ impl Node {
         let mqtt = tokio::spawn(service.run(stopped(stop.subscribe())));
         Ok(Node {
             engine,
+            config_at_start: config.clone(),
             running: config,
             reload,
             started,
@@ -193,9 +197,10 @@ impl Node {
     /// SIGHUP: the new config and models, or the old ones with the error
     /// logged and in the status.
     async fn reload(&mut self) {
-        let (source, engine, current) = (self.reload.clone(), self.engine.clone(), self.running.clone());
+        let (source, engine, started) =
+            (self.reload.clone(), self.engine.clone(), self.config_at_start.clone());
         let outcome =
-            tokio::task::spawn_blocking(move || lifecycle::reload(&source, &current, &engine)).await;
+            tokio::task::spawn_blocking(move || lifecycle::reload(&source, &started, &engine)).await;
         match outcome {
             Ok(Ok((config, done))) => {
                 tracing::info!("reloaded: serving {}", done.serving.join(", "));
@@ -205,18 +210,19 @@ impl Node {
                 if !done.need_restart.is_empty() {
                     tracing::warn!("reload: {} changed; restart to apply", done.need_restart.join(", "));
                 }
-                self.engine.set_reload_error(
+                self.engine.set_reload_outcome(
                     (!done.refused.is_empty()).then(|| format!("refused {}", done.refused.join("; "))),
+                    done.need_restart,
                 );
                 self.running = config;
             }
             Ok(Err(e)) => {
                 tracing::error!("reload refused, still serving the previous config and models: {e}");
-                self.engine.set_reload_error(Some(e.to_string()));
+                self.engine.set_reload_outcome(Some(e.to_string()), Vec::new());
             }
             Err(e) => {
                 tracing::error!("reload failed: {e}");
-                self.engine.set_reload_error(Some(format!("reload failed: {e}")));
+                self.engine.set_reload_outcome(Some(format!("reload failed: {e}")), Vec::new());
             }
         }
     }
@@ -245,6 +251,11 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
     tracing::info!(
         "embedded broker: MQTT 5 on {addr}{}",
         v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default()
+    );
+    tracing::warn!(
+        "the embedded broker is for trying edgeinfer out: it keeps queued requests and replies in this \
+         process's memory only, so a crash or restart of the node loses them (no at-least-once across a \
+         crash); sites run mosquitto or another broker with persistence and point mqtt.url at it"
     );
     Ok(())
 }

@@ -57,8 +57,9 @@ pub struct Engine {
     /// The cloud tier, when `cloud.enabled`.
     cloud_tier: Option<CloudTier>,
     stats: Stats,
-    /// Why the last reload was refused, for the status.
-    reload_error: Mutex<Option<String>>,
+    /// Why the last reload was refused, and the changed settings that wait
+    /// for a restart, for the status.
+    reload_outcome: Mutex<(Option<String>, Vec<&'static str>)>,
 }
 
 impl Engine {
@@ -69,7 +70,7 @@ impl Engine {
             cache,
             cloud_tier: None,
             stats: Stats::start(),
-            reload_error: Default::default(),
+            reload_outcome: Default::default(),
         }
     }
 
@@ -274,19 +275,23 @@ impl Engine {
         self.stats.take(generation.answered.values(), interval).await
     }
 
-    /// Records (or clears) why the last reload was refused.
-    pub fn set_reload_error(&self, error: Option<String>) {
-        *self.reload_error.lock().unwrap_or_else(|e| e.into_inner()) = error;
+    /// Records what the last reload could not do: why it was refused (or
+    /// none), and the changed settings that wait for a restart.
+    pub fn set_reload_outcome(&self, error: Option<String>, restart_needed: Vec<&'static str>) {
+        *self.reload_outcome.lock().unwrap_or_else(|e| e.into_inner()) = (error, restart_needed);
     }
 
     /// What a status message reports of the engine now.
     pub fn live(&self) -> telemetry::EngineSnapshot {
+        let (reload_error, restart_needed) =
+            self.reload_outcome.lock().unwrap_or_else(|e| e.into_inner()).clone();
         telemetry::EngineSnapshot {
             registry: self.registry(),
             requests: self.request_counts(),
             cache: self.cache.health(),
             cloud: self.cloud_state().map(|s| s.as_str()),
-            reload_error: self.reload_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            reload_error,
+            restart_needed,
         }
     }
 

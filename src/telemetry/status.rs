@@ -33,6 +33,10 @@ pub struct Status {
     /// serves what it had.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reload_error: Option<String>,
+    /// Settings a reload read but cannot apply: they take effect at the
+    /// next restart.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub restart_needed: Vec<&'static str>,
 }
 
 /// What changes while a node runs, for a status snapshot.
@@ -43,6 +47,7 @@ pub struct EngineSnapshot {
     pub cache: CacheHealth,
     pub cloud: Option<&'static str>,
     pub reload_error: Option<String>,
+    pub restart_needed: Vec<&'static str>,
 }
 
 /// The response cache as the status reports it.
@@ -78,6 +83,7 @@ impl Status {
             cache: Default::default(),
             cloud: None,
             reload_error: None,
+            restart_needed: Vec::new(),
             models: models(registry),
         }
     }
@@ -100,6 +106,7 @@ impl Status {
         s.cache = live.cache;
         s.cloud = live.cloud;
         s.reload_error = live.reload_error;
+        s.restart_needed = live.restart_needed;
         serde_json::to_vec(&s).expect("status serializes")
     }
 }

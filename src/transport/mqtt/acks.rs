@@ -89,7 +89,7 @@ impl Acks {
         let seq = self.next;
         self.next += 1;
         self.seen.insert(publish.pkid, Seen::Running);
-        let released = self.order.arrived(seq, publish.clone());
+        let released = self.order.arrived(seq, ack_of(publish));
         debug_assert!(released.is_empty(), "nothing is done before it arrived");
         AckSlot { seq, epoch: self.epoch, pkid: publish.pkid, tx: Some(self.tx.clone()) }
     }
@@ -99,7 +99,7 @@ impl Acks {
     pub fn again(&mut self, publish: &Publish) -> Vec<Publish> {
         let seq = self.next;
         self.next += 1;
-        self.order.arrived(seq, publish.clone());
+        self.order.arrived(seq, ack_of(publish));
         self.released(seq)
     }
 
@@ -127,6 +127,14 @@ impl Acks {
         self.order = Sequencer { base: self.next, queue: VecDeque::new() };
         self.seen.clear();
     }
+}
+
+/// What an acknowledgement needs of a request (its packet id and QoS):
+/// answered requests wait here for the ones before them, without payloads.
+fn ack_of(publish: &Publish) -> Publish {
+    let mut ack = Publish::new("", publish.qos, Vec::new(), None);
+    ack.pkid = publish.pkid;
+    ack
 }
 
 /// Items numbered in arrival order, released in that order once each is done

@@ -223,6 +223,15 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
     copy_version(models.path(), "3", true);
     node.signal("HUP");
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A setting only a restart applies: served on as before, and said so.
+    std::fs::write(&config, "[node]\ndrain_timeout_s = 5\n[limits]\nmax_payload_bytes = 100000\n").unwrap();
+    node.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut watcher = Client::connect(mqtt, "watch-l3a", &["edgeinfer/gw-l3/status"]).await;
+    let (_, status) = watcher.next_json().await;
+    let waiting = status["restart_needed"].as_array().unwrap_or_else(|| panic!("{status}"));
+    assert!(waiting.iter().any(|s| s.as_str().unwrap().starts_with("limits.max_payload_bytes")), "{status}");
+    drop(watcher);
     std::fs::write(&config, "[runtime]\nmax_batch = 0\n").unwrap();
     node.signal("HUP");
     tokio::time::sleep(Duration::from_millis(1500)).await;
