@@ -31,6 +31,9 @@ pub const MQTT_RECONNECTS: &str = "edgeinfer_mqtt_reconnects_total";
 /// Requests dropped because they named nowhere to reply.
 pub const MQTT_NO_REPLY_TOPIC: &str = "edgeinfer_mqtt_no_reply_topic_total";
 pub const BUILD_INFO: &str = "edgeinfer_build_info";
+/// Model versions found in the models directory but refused at the last
+/// load or reload (a bad sha256, golden outputs, manifest).
+pub const MODEL_VERSIONS_REFUSED: &str = "edgeinfer_model_versions_refused";
 pub const MODEL_INFO: &str = "edgeinfer_model_info";
 pub const RESIDENT_MEMORY: &str = "edgeinfer_process_resident_memory_bytes";
 /// Cache lookups, by `model` and `result` (`miss`, `memory`, `disk`, or
@@ -127,6 +130,10 @@ pub fn install() -> Option<PrometheusHandle> {
         MQTT_REPLIES_REFUSED,
         "Replies the broker refused (reason broker) or that exceed its Maximum Packet Size (too_large)"
     );
+    metrics::describe_gauge!(
+        MODEL_VERSIONS_REFUSED,
+        "Model versions refused at the last load or reload (the status and the log name them)"
+    );
     metrics::describe_counter!(REQUEST_PANICS, "Panics while handling a request; it was answered internal");
     metrics::describe_counter!(
         INFERENCE_PANICS,
@@ -184,6 +191,7 @@ pub fn install() -> Option<PrometheusHandle> {
 
 /// One gauge per loaded model version.
 pub fn describe_models(registry: &crate::model::Registry) {
+    metrics::gauge!(MODEL_VERSIONS_REFUSED).set(registry.refused.len() as f64);
     for m in registry.all() {
         metrics::gauge!(
             MODEL_INFO,

@@ -3,6 +3,7 @@
 mod architecture;
 mod cli;
 mod errors;
+mod fleet;
 mod mlperf;
 mod models;
 mod mqtt;

@@ -43,6 +43,15 @@ async fn metrics_count_exactly_the_requests_served_and_pass_promtool() {
     assert_eq!(sample(&scrape, &["edgeinfer_batch_rows_sum{", "model=\"digits\""]), n as f64, "rows batched");
     // Buckets resolve tens of microseconds.
     assert!(scrape.contains("le=\"0.00002\""), "{scrape}");
+    // The latency SLO buckets deploy/prometheus/edgeinfer-rules.yml reads, as written there.
+    for le in ["0.01", "0.1"] {
+        let bucket = format!("le=\"{le}\"");
+        assert!(
+            scrape.lines().any(|l| l.contains("stage=\"end_to_end\"") && l.contains(&bucket)),
+            "{le}: {scrape}"
+        );
+    }
+    assert_eq!(sample(&scrape, &["edgeinfer_model_versions_refused"]), 0.0);
     assert_eq!(sample(&scrape, &["edgeinfer_mqtt_connected"]), 1.0);
     assert_eq!(sample(&scrape, &["edgeinfer_model_info{", "model=\"digits\"", "quantization=\"int8\""]), 1.0);
     assert_eq!(
