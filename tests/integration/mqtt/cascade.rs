@@ -479,13 +479,15 @@ async fn a_poison_escalation_ends_degraded_after_its_attempts_and_holds_back_no_
             ("EDGEINFER_CLOUD__BREAKER_OPEN_MS", "200"),
         ],
     );
-    let _edge = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-x8", &env));
-    let mut client = Client::connect(broker.port, "dev-x8", &["dev/x8/replies"]).await;
+    let _edge = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-x10", &env));
+    let mut client = Client::connect(broker.port, "dev-x10", &["dev/x10/replies"]).await;
     let mut ids = vec!["poison".to_string()];
     ids.extend((0..50).map(|i| format!("good-{i}")));
     for (i, id) in ids.iter().enumerate() {
         let payload = request(id, i, json!({"cache": false})).to_string().into_bytes();
-        client.request("edgeinfer/gw-x8/infer/digits", payload, "dev/x8/replies", id.as_bytes(), None).await;
+        client
+            .request("edgeinfer/gw-x10/infer/digits", payload, "dev/x10/replies", id.as_bytes(), None)
+            .await;
     }
     let got = all_replies(&mut client, &ids, Duration::from_secs(60)).await;
     for id in &ids[1..] {
@@ -602,7 +604,8 @@ fn seldon_mlserver_serving_scikit_learn_is_a_cloud_tier_too() {
         if ready {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(90), "MLServer did not get ready");
+        // Python starts slowly on a 2-core machine busy with the other tests.
+        assert!(start.elapsed() < Duration::from_secs(240), "MLServer did not get ready");
         std::thread::sleep(Duration::from_millis(250));
     }
     let (_edge, _, port) = edge_node(
