@@ -32,6 +32,11 @@ pub struct AckSlot {
 
 impl AckSlot {
     pub fn send(mut self, reply: Option<super::outbox::Reply>) {
+        self.report(reply);
+    }
+
+    /// Once: `send` and then `Drop` report nothing twice.
+    fn report(&mut self, reply: Option<super::outbox::Reply>) {
         if let Some(tx) = self.tx.take() {
             let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply });
         }
@@ -46,9 +51,7 @@ impl Drop for AckSlot {
         if std::thread::panicking() {
             tracing::error!("a request task panicked before its reply was sent; acknowledging it anyway");
         }
-        if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply: None });
-        }
+        self.report(None);
     }
 }
 
@@ -86,8 +89,7 @@ impl Acks {
 
     /// Call in arrival order, from the task that reads the connection.
     pub fn arrived(&mut self, publish: &Publish) -> AckSlot {
-        let seq = self.next;
-        self.next += 1;
+        let seq = self.next_seq();
         self.seen.insert(publish.pkid, Seen::Running);
         let released = self.order.arrived(seq, ack_of(publish));
         debug_assert!(released.is_empty(), "nothing is done before it arrived");
@@ -97,10 +99,14 @@ impl Acks {
     /// A redelivered request acknowledged before (the acknowledgement was
     /// lost): acknowledged again, in line.
     pub fn again(&mut self, publish: &Publish) -> Vec<Publish> {
-        let seq = self.next;
-        self.next += 1;
+        let seq = self.next_seq();
         self.order.arrived(seq, ack_of(publish));
         self.released(seq)
+    }
+
+    fn next_seq(&mut self) -> u64 {
+        self.next += 1;
+        self.next - 1
     }
 
     /// The acknowledgements `finished` releases, in order; none for a

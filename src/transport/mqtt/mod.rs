@@ -112,12 +112,7 @@ impl MqttService {
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         let mut follow_ups = self.follow_ups.take();
         let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
-        let mut conn = Connection {
-            client,
-            outbox: Outbox::default(),
-            connected: false,
-            max_reply: Arc::new(AtomicUsize::new(usize::MAX)),
-        };
+        let mut conn = Connection { client, outbox: Outbox::default(), connected: false };
         let permits = Arc::new(Semaphore::new(self.max_in_flight));
         let (mut acks, mut finished) = Acks::new();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
@@ -165,7 +160,6 @@ impl MqttService {
                     conn.connected = true;
                     let max_packet = ack.properties.as_ref().and_then(|p| p.max_packet_size);
                     conn.outbox.set_max_packet(max_packet);
-                    conn.max_reply.store(max_packet.map_or(usize::MAX, |m| m as usize), Ordering::Relaxed);
                     if !ack.session_present {
                         // The broker lost our session: the requests it held
                         // for us are gone with their packet ids; the replies
@@ -206,7 +200,7 @@ impl MqttService {
                         let task = RequestTask {
                             engine: self.engine.clone(),
                             topics: self.topics.clone(),
-                            max_reply: conn.max_reply.clone(),
+                            max_reply: conn.outbox.max_packet(),
                         };
                         tasks.spawn(async move {
                             task.handle(publish, permit.is_some(), slot).await;
@@ -214,9 +208,7 @@ impl MqttService {
                         });
                     }
                 },
-                Ok(Event::Outgoing(Outgoing::Publish(pkid))) => conn.outbox.written(pkid),
-                Ok(Event::Incoming(Packet::PubAck(ack))) => conn.outbox.acknowledged(ack.pkid, ack.reason),
-                Ok(_) => {}
+                Ok(event) => conn.outbox.track(&event),
                 Err(e) => {
                     conn.connected = false;
                     self.ready_tx.send_replace(false);
@@ -279,9 +271,7 @@ impl MqttService {
                 event = eventloop.poll() => match event {
                     Ok(Event::Incoming(Packet::Publish(_))) => held_back += 1,
                     Ok(Event::Incoming(Packet::ConnAck(_))) => conn.connected = true,
-                    Ok(Event::Outgoing(Outgoing::Publish(pkid))) => conn.outbox.written(pkid),
-                    Ok(Event::Incoming(Packet::PubAck(ack))) => conn.outbox.acknowledged(ack.pkid, ack.reason),
-                    Ok(_) => {}
+                    Ok(event) => conn.outbox.track(&event),
                     Err(_) => {
                         conn.connected = false;
                         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -302,8 +292,7 @@ impl MqttService {
     /// The retained status, through the outbox.
     fn publish_status(&self, conn: &mut Connection, state: State) {
         let status = self.status.snapshot(state, self.engine.live());
-        let publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, status, None);
-        let mut publish = publish;
+        let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, status, None);
         publish.retain = true;
         conn.outbox.publish(publish, Note::Status);
     }
@@ -354,9 +343,6 @@ struct Connection {
     client: AsyncClient,
     outbox: Outbox,
     connected: bool,
-    /// The broker's Maximum Packet Size, for the request tasks: a reply
-    /// larger than it becomes a `too_large` error reply.
-    max_reply: Arc<AtomicUsize>,
 }
 
 impl Connection {

@@ -12,10 +12,13 @@
 
 use crate::protocol::Delivery;
 use crate::telemetry;
-use rumqttc::v5::AsyncClient;
+use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{PubAckReason, Publish};
+use rumqttc::v5::mqttbytes::v5::{Packet, PubAckReason, Publish};
+use rumqttc::v5::{AsyncClient, Event};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A request's reply, and the request's id for the log.
 pub struct Reply {
@@ -47,7 +50,6 @@ struct Tracked {
     note: Note,
 }
 
-#[derive(Default)]
 pub struct Outbox {
     queue: VecDeque<Item>,
     /// Taken by rumqttc, packet id not yet reported.
@@ -55,10 +57,23 @@ pub struct Outbox {
     /// Written with this packet id, waiting for the broker's PUBACK.
     written: HashMap<u16, Tracked>,
     next_order: u64,
-    /// The broker's Maximum Packet Size (CONNACK); a larger packet would
-    /// fail the write and drop the connection, with the packet replayed
-    /// after every reconnect.
-    max_packet: Option<usize>,
+    /// The broker's Maximum Packet Size (CONNACK; `usize::MAX` until one
+    /// is known); a larger packet would fail the write and drop the
+    /// connection, with the packet replayed after every reconnect. Shared
+    /// with the request tasks, which turn a larger reply into `too_large`.
+    max_packet: Arc<AtomicUsize>,
+}
+
+impl Default for Outbox {
+    fn default() -> Outbox {
+        Outbox {
+            queue: VecDeque::new(),
+            handed: VecDeque::new(),
+            written: HashMap::new(),
+            next_order: 0,
+            max_packet: Arc::new(AtomicUsize::new(usize::MAX)),
+        }
+    }
 }
 
 impl Outbox {
@@ -80,7 +95,13 @@ impl Outbox {
     }
 
     pub fn set_max_packet(&mut self, max: Option<u32>) {
-        self.max_packet = max.map(|m| m as usize);
+        self.max_packet.store(max.map_or(usize::MAX, |m| m as usize), Ordering::Relaxed);
+    }
+
+    /// The broker's Maximum Packet Size as it becomes known, for readers
+    /// elsewhere.
+    pub fn max_packet(&self) -> Arc<AtomicUsize> {
+        self.max_packet.clone()
     }
 
     /// Nothing waits to be handed over or acknowledged.
@@ -92,17 +113,17 @@ impl Outbox {
     /// what rumqttc holds across a reconnect is then exactly what it took
     /// before the break.
     pub fn flush(&mut self, client: &AsyncClient) {
+        let max_packet = self.max_packet.load(Ordering::Relaxed);
         while let Some(item) = self.queue.front() {
             let sent = match item {
                 Item::Ack(request) => client.try_ack(request).is_ok(),
-                Item::Publish { publish, .. } if self.max_packet.is_some_and(|max| publish.size() > max) => {
+                Item::Publish { publish, .. } if publish.size() > max_packet => {
                     let Some(Item::Publish { publish, note }) = self.queue.pop_front() else {
                         unreachable!()
                     };
                     let why = format!(
-                        "{} bytes, more than the broker's Maximum Packet Size {}",
-                        publish.size(),
-                        self.max_packet.unwrap_or_default()
+                        "{} bytes, more than the broker's Maximum Packet Size {max_packet}",
+                        publish.size()
                     );
                     refused(note, "too_large", &why);
                     continue;
@@ -133,8 +154,18 @@ impl Outbox {
         }
     }
 
+    /// Follows what rumqttc reports of our publishes: written with a
+    /// packet id, acknowledged by the broker.
+    pub fn track(&mut self, event: &Event) {
+        match event {
+            Event::Outgoing(Outgoing::Publish(pkid)) => self.written(*pkid),
+            Event::Incoming(Packet::PubAck(ack)) => self.acknowledged(ack.pkid, ack.reason),
+            _ => {}
+        }
+    }
+
     /// rumqttc wrote a publish with this packet id (`Outgoing::Publish`).
-    pub fn written(&mut self, pkid: u16) {
+    fn written(&mut self, pkid: u16) {
         // 0: QoS 0. Known: a publish resent after a reconnect.
         if pkid == 0 || self.written.contains_key(&pkid) {
             return;
@@ -145,7 +176,7 @@ impl Outbox {
     }
 
     /// The broker's PUBACK for `pkid`.
-    pub fn acknowledged(&mut self, pkid: u16, reason: PubAckReason) {
+    fn acknowledged(&mut self, pkid: u16, reason: PubAckReason) {
         let Some(tracked) = self.written.remove(&pkid) else { return };
         match reason {
             PubAckReason::Success | PubAckReason::NoMatchingSubscribers => {
