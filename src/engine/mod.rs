@@ -370,11 +370,10 @@ fn panic_on_marked_request(id: &str) -> Option<()> {
 fn injected_delay(id: &str) -> Option<Duration> {
     fail::fail_point!("request_delay", |arg: Option<String>| {
         let arg = arg?;
-        let ms = match arg.rsplit_once(':') {
-            Some((only, ms)) if only == id => ms,
-            Some(_) => return None,
-            None => arg.as_str(),
-        };
+        let (only, ms) = run::failpoint_scope(&arg);
+        if only.is_some_and(|only| only != id) {
+            return None;
+        }
         ms.parse().ok().map(Duration::from_millis)
     });
     None

@@ -137,6 +137,13 @@ fn count_panic(model: &str, why: &str) {
     tracing::error!("model {model}: an inference thread panicked ({why}); it goes on with the next batch");
 }
 
+/// A fail point's argument, `SCOPE:VALUE` or `VALUE`: the scope (a model,
+/// a request id) it is limited to, if any, and the value.
+#[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
+pub(super) fn failpoint_scope(arg: &str) -> (Option<&str>, &str) {
+    arg.rsplit_once(':').map_or((None, arg), |(scope, value)| (Some(scope), value))
+}
+
 /// Fault injection for the end-to-end tests (`--features failpoints`; the
 /// shipped binary has none): `FAILPOINTS=inference_panic=return(V)` panics
 /// on a batch holding the preprocessed value `V`; `return(MODEL:V)` only on
@@ -145,7 +152,7 @@ fn count_panic(model: &str, why: &str) {
 fn panic_on_marked_input(model: &str, input: &TensorData) -> Option<()> {
     fail::fail_point!("inference_panic", |marker: Option<String>| {
         let marker = marker?;
-        let (only, value) = marker.split_once(':').map_or((None, marker.as_str()), |(m, v)| (Some(m), v));
+        let (only, value) = failpoint_scope(&marker);
         let value: f32 = value.parse().ok()?;
         if only.is_none_or(|m| m == model)
             && let TensorData::F32(values) = input
