@@ -152,8 +152,6 @@ pub struct Reloaded {
     pub serving: Vec<String>,
     /// Versions found but refused (the rest were swapped in).
     pub refused: Vec<String>,
-    /// Changed settings that only a restart applies.
-    pub need_restart: Vec<&'static str>,
 }
 
 impl ReloadSource {
@@ -167,14 +165,9 @@ impl ReloadSource {
 }
 
 /// Reads the config and the models directory again and swaps them in. On
-/// any error the node keeps serving what it had. Settings a reload cannot
-/// apply are compared with `started`, the config the process started with
-/// (an earlier reload did not apply them either).
-pub fn reload(
-    source: &ReloadSource,
-    started: &Config,
-    engine: &Engine,
-) -> Result<(Config, Reloaded), ReloadError> {
+/// any error the node keeps serving what it had. What it cannot apply:
+/// `needing_restart`.
+pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloaded), ReloadError> {
     let config = source.load()?;
     let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: true };
     let registry = Registry::load(&config.node.models_dir, &runtime).map_err(|source| {
@@ -196,13 +189,13 @@ pub fn reload(
     let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
     crate::telemetry::describe_models(&registry);
     engine.reload(Arc::new(registry), EngineOptions::from_config(&config));
-    let need_restart = needing_restart(started, &config);
-    Ok((config, Reloaded { serving, refused, need_restart }))
+    Ok((config, Reloaded { serving, refused }))
 }
 
-/// The changed settings a reload does not apply: the services and the
-/// cache are built once at start.
-fn needing_restart(running: &Config, next: &Config) -> Vec<&'static str> {
+/// The settings changed since `started` (the config the process started
+/// with) that a reload does not apply: the services and the cache are
+/// built once at start.
+pub fn needing_restart(started: &Config, next: &Config) -> Vec<&'static str> {
     let ttl = |c: &Config| {
         let set = c.models.iter().filter_map(|(m, c)| Some((m.clone(), c.cache_ttl_s?)));
         set.collect::<std::collections::BTreeMap<_, _>>()
@@ -210,17 +203,17 @@ fn needing_restart(running: &Config, next: &Config) -> Vec<&'static str> {
     [
         (
             "node.id / node.state_dir",
-            running.node.id != next.node.id || running.node.state_dir != next.node.state_dir,
+            started.node.id != next.node.id || started.node.state_dir != next.node.state_dir,
         ),
-        ("mqtt", running.mqtt != next.mqtt),
-        ("http", running.http != next.http),
-        ("cache", running.cache != next.cache),
-        ("models.NAME.cache_ttl_s", ttl(running) != ttl(next)),
+        ("mqtt", started.mqtt != next.mqtt),
+        ("http", started.http != next.http),
+        ("cache", started.cache != next.cache),
+        ("models.NAME.cache_ttl_s", ttl(started) != ttl(next)),
         (
             "limits.max_payload_bytes (the MQTT Maximum Packet Size announced at connect)",
-            running.limits.max_payload_bytes != next.limits.max_payload_bytes,
+            started.limits.max_payload_bytes != next.limits.max_payload_bytes,
         ),
-        ("cloud", running.cloud != next.cloud),
+        ("cloud", started.cloud != next.cloud),
     ]
     .into_iter()
     .filter_map(|(setting, changed)| changed.then_some(setting))

@@ -197,34 +197,32 @@ impl Node {
     /// SIGHUP: the new config and models, or the old ones with the error
     /// logged and in the status.
     async fn reload(&mut self) {
-        let (source, engine, started) =
-            (self.reload.clone(), self.engine.clone(), self.config_at_start.clone());
-        let outcome =
-            tokio::task::spawn_blocking(move || lifecycle::reload(&source, &started, &engine)).await;
-        match outcome {
+        let (source, engine) = (self.reload.clone(), self.engine.clone());
+        let outcome = tokio::task::spawn_blocking(move || lifecycle::reload(&source, &engine)).await;
+        let error = match outcome {
             Ok(Ok((config, done))) => {
                 tracing::info!("reloaded: serving {}", done.serving.join(", "));
                 for refused in &done.refused {
                     tracing::error!("reload: refused {refused}");
                 }
-                if !done.need_restart.is_empty() {
-                    tracing::warn!("reload: {} changed; restart to apply", done.need_restart.join(", "));
-                }
-                self.engine.set_reload_outcome(
-                    (!done.refused.is_empty()).then(|| format!("refused {}", done.refused.join("; "))),
-                    done.need_restart,
-                );
                 self.running = config;
+                (!done.refused.is_empty()).then(|| format!("refused {}", done.refused.join("; ")))
             }
             Ok(Err(e)) => {
                 tracing::error!("reload refused, still serving the previous config and models: {e}");
-                self.engine.set_reload_outcome(Some(e.to_string()), Vec::new());
+                Some(e.to_string())
             }
             Err(e) => {
                 tracing::error!("reload failed: {e}");
-                self.engine.set_reload_outcome(Some(format!("reload failed: {e}")), Vec::new());
+                Some(format!("reload failed: {e}"))
             }
+        };
+        // Derived, so a refused reload does not forget what still waits.
+        let waiting = lifecycle::needing_restart(&self.config_at_start, &self.running);
+        if !waiting.is_empty() {
+            tracing::warn!("reload: {} changed; restart to apply", waiting.join(", "));
         }
+        self.engine.set_reload_outcome(error, waiting);
     }
 
     /// The line `systemctl status` shows.
