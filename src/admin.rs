@@ -42,7 +42,7 @@ pub async fn cache_stats(config: &Config, url: Option<&str>) -> Result<(CacheSta
     let mut no_node = None;
     if let Some(base) = &base {
         let url = format!("{base}/cache/stats");
-        match send("GET", &url).await {
+        match send(config, "GET", &url).await {
             Ok(body) => {
                 let stats = serde_json::from_str(&body).map_err(|e| AdminError::Http {
                     url: url.clone(),
@@ -70,7 +70,7 @@ pub async fn cache_purge(
             Some(m) => format!("{base}/cache/purge?model={}", query_value(m)),
             None => format!("{base}/cache/purge"),
         };
-        match send("POST", &url).await {
+        match send(config, "POST", &url).await {
             Ok(body) => {
                 let answer: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
                     AdminError::Http { url: url.clone(), reason: format!("unexpected answer: {e}") }
@@ -91,7 +91,10 @@ fn base_url(config: &Config, url: Option<&str>) -> Option<String> {
     match url {
         Some(u) => Some(u.trim_end_matches('/').to_string()),
         None if config.http.listen.is_empty() => None,
-        None => Some(format!("http://{}", config.http.listen)),
+        None => {
+            let scheme = if config.http.tls_cert_file.is_some() { "https" } else { "http" };
+            Some(format!("{scheme}://{}", config.http.listen))
+        }
     }
 }
 
@@ -112,16 +115,36 @@ fn query_value(v: &str) -> String {
         .collect()
 }
 
-async fn send(method: &str, url: &str) -> Result<String, Attempt> {
+/// One request to the node, with the admin token when the config names one;
+/// over HTTPS the node's own certificate (`http.tls_cert_file`) is trusted.
+async fn send(config: &Config, method: &str, url: &str) -> Result<String, Attempt> {
     use http_body_util::BodyExt;
     let failed = |reason: String| Attempt::Failed(AdminError::Http { url: url.into(), reason });
-    let request = hyper::Request::builder()
-        .method(method)
-        .uri(url)
-        .body(http_body_util::Empty::<bytes::Bytes>::new())
-        .map_err(|e| failed(e.to_string()))?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let mut request = hyper::Request::builder().method(method).uri(url);
+    if let Some(path) = &config.http.admin_token_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| failed(format!("http.admin_token_file = {}: cannot read: {e}", path.display())))?;
+        let token = text.lines().next().unwrap_or_default().trim().to_string();
+        request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request =
+        request.body(http_body_util::Empty::<bytes::Bytes>::new()).map_err(|e| failed(e.to_string()))?;
+    let tls = crate::tls::client_config(
+        "http.tls_cert_file",
+        config.http.tls_cert_file.as_deref(),
+        None,
+        url.starts_with("https://"),
+    )
+    .map_err(|e| failed(e.to_string()))?;
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    let client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
     let response = tokio::time::timeout(std::time::Duration::from_secs(10), client.request(request))
         .await
         .map_err(|_| failed("no answer within 10 s".into()))?
@@ -147,9 +170,10 @@ async fn open_store(config: &Config, url: Option<&str>, reason: Option<String>) 
             reason: reason.unwrap_or_else(|| "no address to ask".into()),
         });
     }
-    let health = cache.health();
-    if !health.disk_enabled {
-        return Err(AdminError::Store(health.problem.unwrap_or_else(|| "cache.disk_bytes is 0".into())));
+    if !cache.health().disk_enabled {
+        // The details, paths included: this is the operator's own terminal.
+        let detail = cache.disk_error().map(|e| e.to_string()).or_else(|| cache.stats().disk?.problem);
+        return Err(AdminError::Store(detail.unwrap_or_else(|| "cache.disk_bytes is 0".into())));
     }
     cache.flush().await;
     Ok(cache)

@@ -49,8 +49,11 @@ pub struct NodeConfig {
 pub struct MqttConfig {
     pub url: String,
     pub embedded_broker: bool,
+    /// Where the embedded broker takes MQTT 5 clients; default: the url's
+    /// address, which must then be loopback.
+    pub embedded_listen: Option<String>,
     /// The embedded broker's MQTT 3.1.1 listener (rumqttd serves each protocol
-    /// version on its own port); default: the url's port + 1. "" disables it.
+    /// version on its own port); default: none.
     pub embedded_v311_listen: Option<String>,
     pub topic_prefix: String,
     pub share_group: String,
@@ -71,6 +74,10 @@ pub struct MqttConfig {
     pub client_key_file: Option<PathBuf>,
     /// Requests processed at once; beyond it the node answers `overloaded`.
     pub max_in_flight: usize,
+    /// Topic levels replies may be published under (`["devices"]` admits
+    /// `devices/cam-3/replies`); empty: any topic except `$` topics and
+    /// those under `topic_prefix`, which are always refused.
+    pub reply_prefixes: Vec<String>,
 }
 
 /// A value that never appears in logs, status or `Debug` output.
@@ -89,6 +96,23 @@ impl std::fmt::Debug for Secret {
 pub struct HttpConfig {
     /// `host:port` for /metrics and /v2; empty disables the HTTP server.
     pub listen: String,
+    /// Bearer token for inference and model metadata; unset: open.
+    pub token_file: Option<PathBuf>,
+    /// Bearer token for administration (`/cache/...`); unset: answered
+    /// only to a loopback peer with no proxy header.
+    pub admin_token_file: Option<PathBuf>,
+    /// `/metrics` needs a token too (health stays open).
+    pub protect_metrics: bool,
+    /// PEM certificate chain and key: the listener speaks HTTPS.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// Connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// The longest request headers (and a TLS handshake) may take to
+    /// arrive, and an idle connection stays open.
+    pub header_timeout_ms: u64,
+    /// The longest a request body may take to arrive.
+    pub body_timeout_ms: u64,
 }
 
 /// The opt-in cloud tier. With `enabled = false` (the default) nothing
@@ -102,6 +126,9 @@ pub struct CloudConfig {
     /// Bearer token; prefer `token_file` or `EDGEINFER_CLOUD__TOKEN`; never logged.
     pub token: Option<Secret>,
     pub token_file: Option<PathBuf>,
+    /// Send the token over plain `http://` anyway (a cloud tier on the
+    /// same host or a trusted link); otherwise such a config is refused.
+    pub allow_insecure_token: bool,
     /// PEM CA bundle for https://; default: the system's roots.
     pub ca_file: Option<PathBuf>,
     pub connect_timeout_ms: u64,
@@ -154,8 +181,16 @@ pub struct RuntimeConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
-    /// Largest request payload accepted; larger ones are answered `too_large`.
+    /// Largest request payload processed; larger ones (up to
+    /// `max_packet_bytes`) are answered `too_large` without being decoded.
     pub max_payload_bytes: usize,
+    /// Largest MQTT packet the node reads, announced to the broker as the
+    /// Maximum Packet Size; the broker drops bigger messages for this node
+    /// (MQTT 5 gives it no way to answer them).
+    pub max_packet_bytes: usize,
+    /// Bytes of MQTT requests held at once; a request that would go over
+    /// is answered `overloaded` at once, so large requests cannot pile up.
+    pub max_bytes_in_flight: usize,
     /// Most rows (`shape[0]`) in one request.
     pub max_rows: usize,
 }
@@ -249,6 +284,7 @@ impl Default for MqttConfig {
         MqttConfig {
             url: "mqtt://127.0.0.1:1883".into(),
             embedded_broker: false,
+            embedded_listen: None,
             embedded_v311_listen: None,
             topic_prefix: "edgeinfer".into(),
             share_group: "edgeinfer".into(),
@@ -262,13 +298,24 @@ impl Default for MqttConfig {
             client_cert_file: None,
             client_key_file: None,
             max_in_flight: 512,
+            reply_prefixes: Vec::new(),
         }
     }
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { listen: "127.0.0.1:9464".into() }
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+            token_file: None,
+            admin_token_file: None,
+            protect_metrics: false,
+            tls_cert_file: None,
+            tls_key_file: None,
+            max_connections: 256,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 30_000,
+        }
     }
 }
 
@@ -279,6 +326,7 @@ impl Default for CloudConfig {
             url: String::new(),
             token: None,
             token_file: None,
+            allow_insecure_token: false,
             ca_file: None,
             connect_timeout_ms: 500,
             timeout_ms: 2000,
@@ -311,7 +359,12 @@ impl Default for RuntimeConfig {
 
 impl Default for LimitsConfig {
     fn default() -> Self {
-        LimitsConfig { max_payload_bytes: 256 * 1024, max_rows: 256 }
+        LimitsConfig {
+            max_payload_bytes: 256 * 1024,
+            max_packet_bytes: 16 * 1024 * 1024,
+            max_bytes_in_flight: 64 * 1024 * 1024,
+            max_rows: 256,
+        }
     }
 }
 
@@ -330,6 +383,10 @@ impl Default for ModelConfig {
     }
 }
 
+/// Connections the embedded broker takes at once (each costs a file
+/// descriptor; the systemd unit's LimitNOFILE leaves room for them).
+pub const EMBEDDED_BROKER_MAX_CONNECTIONS: usize = 1000;
+
 const ENV_PREFIX: &str = "EDGEINFER_";
 /// Variables that are not config keys: the command line's own (`--config`,
 /// `--log`) and the int8 kernel switches (README, "INT8 models"), which
@@ -342,6 +399,17 @@ const NOT_KEYS: [&str; 6] = [
     "EDGEINFER_INT8_GEMM",
     "EDGEINFER_AVX512",
 ];
+
+impl ConfigError {
+    /// A few words and no paths, for the retained status.
+    pub fn reason(&self) -> String {
+        match self {
+            ConfigError::Read { .. } => "cannot read the config file".into(),
+            ConfigError::Syntax { .. } => "the config file is not valid TOML".into(),
+            ConfigError::Key { key, .. } => format!("config key {key} has a bad value"),
+        }
+    }
+}
 
 impl Config {
     /// The file (if any) with the process environment's overrides on top.
@@ -362,14 +430,18 @@ impl Config {
             }
             None => toml::Table::new(),
         };
-        let mut overrides: Vec<(String, String)> = env
-            .into_iter()
-            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !NOT_KEYS.contains(&k.as_str()))
-            .collect();
-        overrides.sort();
-        for (var, value) in overrides {
-            apply_override(&mut table, &var, &value)?;
-        }
+        Self::from_table(table_with_env(&mut table, env)?)
+    }
+
+    /// A config file's text alone (no environment), as `serve` would read it.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut table = text
+            .parse::<toml::Table>()
+            .map_err(|e| ConfigError::Syntax { path: "(text)".into(), message: e.to_string() })?;
+        Self::from_table(table_with_env(&mut table, std::iter::empty())?)
+    }
+
+    fn from_table(table: toml::Table) -> Result<Config, ConfigError> {
         let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             ConfigError::Key { key: e.path().to_string(), message: e.into_inner().to_string() }
         })?;
@@ -407,6 +479,19 @@ impl Config {
                 );
             }
         }
+        for prefix in &self.mqtt.reply_prefixes {
+            if prefix.trim_end_matches('/').is_empty()
+                || prefix.contains(['+', '#'])
+                || prefix.starts_with('$')
+            {
+                return bad(
+                    "mqtt.reply_prefixes",
+                    format!(
+                        "{prefix:?}: list topic levels like \"devices\", without '+', '#' or a leading '$'"
+                    ),
+                );
+            }
+        }
         if !(1..=65535).contains(&self.mqtt.max_in_flight) {
             return bad("mqtt.max_in_flight", format!("{}: use 1 to 65535", self.mqtt.max_in_flight));
         }
@@ -422,13 +507,40 @@ impl Config {
         {
             return bad(
                 "mqtt.embedded_v311_listen",
-                format!("{listen:?}: use HOST:PORT, or \"\" to disable"),
+                format!("{listen:?}: use HOST:PORT, or \"\" (the default) for no 3.1.1 listener"),
             );
+        }
+        if let Some(listen) = &self.mqtt.embedded_listen
+            && listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            return bad("mqtt.embedded_listen", format!("{listen:?}: use HOST:PORT like 0.0.0.0:1883"));
         }
         if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
             return bad(
                 "http.listen",
                 format!("{:?}: use HOST:PORT like 127.0.0.1:9464, or \"\" to disable", self.http.listen),
+            );
+        }
+        let http = &self.http;
+        for (key, value, range) in [
+            ("http.max_connections", http.max_connections as u64, 1..=65_536),
+            ("http.header_timeout_ms", http.header_timeout_ms, 100..=600_000),
+            ("http.body_timeout_ms", http.body_timeout_ms, 100..=3_600_000),
+        ] {
+            if !range.contains(&value) {
+                return bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
+            }
+        }
+        if http.tls_cert_file.is_some() != http.tls_key_file.is_some() {
+            return bad(
+                "http.tls_cert_file",
+                "give both http.tls_cert_file and http.tls_key_file for HTTPS, or neither".into(),
+            );
+        }
+        if http.protect_metrics && http.token_file.is_none() && http.admin_token_file.is_none() {
+            return bad(
+                "http.protect_metrics",
+                "true needs a token to protect with: set http.token_file (or http.admin_token_file)".into(),
             );
         }
         if self.cloud.enabled
@@ -462,6 +574,20 @@ impl Config {
         if cloud.token.is_some() && cloud.token_file.is_some() {
             return bad("cloud.token", "give cloud.token or cloud.token_file, not both".into());
         }
+        if cloud.enabled
+            && cloud.url.starts_with("http://")
+            && (cloud.token.is_some() || cloud.token_file.is_some())
+            && !cloud.allow_insecure_token
+        {
+            return bad(
+                "cloud.url",
+                format!(
+                    "{:?}: a bearer token would be sent in clear text; use https://, or set \
+                     cloud.allow_insecure_token = true for a cloud tier on a trusted link",
+                    cloud.url
+                ),
+            );
+        }
         let sizes = &self.runtime.batch_sizes;
         if sizes.first() != Some(&1)
             || sizes.windows(2).any(|w| w[0] >= w[1])
@@ -490,6 +616,26 @@ impl Config {
             return bad(
                 "limits.max_payload_bytes",
                 format!("{}: use 64 to 67108864", self.limits.max_payload_bytes),
+            );
+        }
+        let limits = &self.limits;
+        // 268435455: the largest packet MQTT's length field can carry.
+        if !(limits.max_payload_bytes..=268_435_455).contains(&limits.max_packet_bytes) {
+            return bad(
+                "limits.max_packet_bytes",
+                format!(
+                    "{}: use limits.max_payload_bytes ({}) to 268435455",
+                    limits.max_packet_bytes, limits.max_payload_bytes
+                ),
+            );
+        }
+        if !(limits.max_packet_bytes..=1 << 36).contains(&limits.max_bytes_in_flight) {
+            return bad(
+                "limits.max_bytes_in_flight",
+                format!(
+                    "{}: use limits.max_packet_bytes ({}) to 68719476736, so one largest request always fits",
+                    limits.max_bytes_in_flight, limits.max_packet_bytes
+                ),
             );
         }
         if self.limits.max_rows == 0 {
@@ -558,6 +704,22 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// `table` with the environment's `EDGEINFER_` overrides applied.
+fn table_with_env(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<toml::Table, ConfigError> {
+    let mut overrides: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX) && !NOT_KEYS.contains(&k.as_str()))
+        .collect();
+    overrides.sort();
+    for (var, value) in overrides {
+        apply_override(table, &var, &value)?;
+    }
+    Ok(std::mem::take(table))
 }
 
 /// `EDGEINFER_MQTT__URL=mqtt://x` sets `mqtt.url`; `EDGEINFER_MODELS__DIGITS__THRESHOLD=0.9`
@@ -651,5 +813,27 @@ mod tests {
         let err =
             Config::load_with_env(None, env(&[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.5")])).unwrap_err();
         assert!(err.to_string().contains("models.digits.threshold"), "{err}");
+    }
+
+    #[test]
+    fn a_token_is_not_sent_over_plain_http_unless_allowed_and_never_shows_in_debug() {
+        let cloud = [
+            ("EDGEINFER_CLOUD__ENABLED", "true"),
+            ("EDGEINFER_CLOUD__URL", "http://cloud.example:8080"),
+            ("EDGEINFER_CLOUD__TOKEN", "s3cret-token"),
+        ];
+        let err = Config::load_with_env(None, env(&cloud)).unwrap_err().to_string();
+        assert!(err.contains("cloud.url") && err.contains("cloud.allow_insecure_token"), "{err}");
+        let mut allowed = cloud.to_vec();
+        allowed.push(("EDGEINFER_CLOUD__ALLOW_INSECURE_TOKEN", "true"));
+        let config = Config::load_with_env(None, env(&allowed)).unwrap();
+        let options = crate::cloud::CloudOptions::from_config(&config).unwrap().unwrap();
+        assert_eq!(options.token.as_ref().map(|t| t.0.as_str()), Some("s3cret-token"));
+        for debug in [format!("{config:?}"), format!("{options:?}")] {
+            assert!(!debug.contains("s3cret") && debug.contains("<redacted>"), "{debug}");
+        }
+        let mut https = cloud.to_vec();
+        https[1].1 = "https://cloud.example";
+        assert!(Config::load_with_env(None, env(&https)).is_ok());
     }
 }

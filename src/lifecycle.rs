@@ -46,6 +46,68 @@ pub fn signals() -> std::io::Result<mpsc::UnboundedReceiver<Signal>> {
     Ok(rx)
 }
 
+/// Threads in tokio's blocking pool (`edgeinfer serve`).
+pub const BLOCKING_THREADS: usize = 4;
+
+/// Threads (systemd counts them as tasks) a node may have at once with
+/// `config` and `versions` loaded model versions: the runtime's workers and
+/// blocking pool, every version's inference threads twice over (a reload
+/// starts the new ones before the old ones end), and the fixed ones
+/// (signals, stats, cache writer, planner, sled's flushers and its pool of
+/// 7 idle threads, the embedded broker).
+pub fn tasks_needed(config: &Config, versions: usize, cores: usize) -> usize {
+    let inference = versions * config.runtime.threads_per_model;
+    cores + BLOCKING_THREADS + 2 * inference + 24
+}
+
+/// File descriptors a node may hold: HTTP connections, the embedded
+/// broker's, the MQTT and cloud connections, sled's files and the models.
+pub fn files_needed(config: &Config) -> usize {
+    let http = if config.http.listen.is_empty() { 0 } else { config.http.max_connections };
+    let broker = if config.mqtt.embedded_broker { crate::config::EMBEDDED_BROKER_MAX_CONNECTIONS } else { 0 };
+    http + broker + config.cloud.max_concurrency + 64
+}
+
+/// Warns, naming the setting to raise, when the service's task limit
+/// (cgroup `pids.max`, systemd's TasksMax) or open-file limit is below what
+/// this config may need: a thread that cannot start refuses a reload, and a
+/// connection that cannot be accepted is lost.
+pub fn check_limits(config: &Config, registry: &crate::model::Registry) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let tasks = tasks_needed(config, registry.all().count(), cores);
+    if let Some(max) = pids_max()
+        && max < tasks as u64
+    {
+        tracing::warn!(
+            "the service's task limit (TasksMax / pids.max) is {max}, below the {tasks} threads this config \
+             may need during a reload; raise TasksMax to at least {tasks}"
+        );
+    }
+    let files = files_needed(config);
+    if let Some(max) = open_files_max()
+        && max < files as u64
+    {
+        tracing::warn!(
+            "the open-file limit (LimitNOFILE) is {max}, below the {files} this config may use; raise it, \
+             or lower http.max_connections"
+        );
+    }
+}
+
+/// This process's cgroup v2 `pids.max`, if it has one.
+fn pids_max() -> Option<u64> {
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    std::fs::read_to_string(format!("/sys/fs/cgroup{path}/pids.max")).ok()?.trim().parse().ok()
+}
+
+/// The soft open-file limit, from /proc (no libc call needed).
+fn open_files_max() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
 /// sd_notify, a no-op outside systemd (no `NOTIFY_SOCKET`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Notifier;
@@ -82,6 +144,13 @@ impl Notifier {
 
     pub fn watchdog(&self) {
         self.send(&[NotifyState::Watchdog]);
+    }
+
+    /// Asks systemd for `more` time to finish starting (EXTEND_TIMEOUT_USEC),
+    /// with the reason in the status line.
+    pub fn extend_start(&self, more: Duration, status: &str) {
+        let usec = u32::try_from(more.as_micros()).unwrap_or(u32::MAX);
+        self.send(&[NotifyState::ExtendTimeoutUsec(usec), NotifyState::Status(status)]);
     }
 
     /// How often systemd wants to hear WATCHDOG (`WatchdogSec`), if at all.
@@ -144,14 +213,32 @@ pub enum ReloadError {
     Models { dir: PathBuf, source: Box<crate::model::LoadError> },
     #[error("model {model} would have no loadable version left ({why}); keeping the current models")]
     Lost { model: String, why: String },
+    #[error("{0}; keeping the current models")]
+    Threads(#[from] crate::engine::SpawnError),
+}
+
+impl ReloadError {
+    /// A few words and no paths, for the retained status (the log has the rest).
+    pub fn reason(&self) -> String {
+        match self {
+            ReloadError::Config(e) => e.reason(),
+            ReloadError::Models { .. } => "the models directory cannot be read".into(),
+            ReloadError::Lost { model, .. } => {
+                format!("model {model} would have no loadable version left; keeping the current models")
+            }
+            ReloadError::Threads(e) => format!("cannot start inference threads for model {}", e.model),
+        }
+    }
 }
 
 /// What a reload did, for the log and the status line.
 #[derive(Debug, Default)]
 pub struct Reloaded {
     pub serving: Vec<String>,
-    /// Versions found but refused (the rest were swapped in).
+    /// Versions found but refused (the rest were swapped in), with paths.
     pub refused: Vec<String>,
+    /// The same as `NAME vVERSION: reason`, for the status.
+    pub refused_summary: Vec<String>,
 }
 
 impl ReloadSource {
@@ -187,9 +274,11 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
         }
     }
     let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
-    crate::telemetry::describe_models(&registry);
-    engine.reload(Arc::new(registry), EngineOptions::from_config(&config));
-    Ok((config, Reloaded { serving, refused }))
+    let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
+    let (previous, registry) = (engine.registry(), Arc::new(registry));
+    engine.reload(registry.clone(), EngineOptions::from_config(&config))?;
+    crate::telemetry::describe_models(Some(&previous), &registry);
+    Ok((config, Reloaded { serving, refused, refused_summary }))
 }
 
 /// The settings changed since `started` (the config the process started
@@ -210,9 +299,10 @@ pub fn needing_restart(started: &Config, next: &Config) -> Vec<&'static str> {
         ("cache", started.cache != next.cache),
         ("models.NAME.cache_ttl_s", ttl(started) != ttl(next)),
         (
-            "limits.max_payload_bytes (the MQTT Maximum Packet Size announced at connect)",
-            started.limits.max_payload_bytes != next.limits.max_payload_bytes,
+            "limits.max_packet_bytes (the MQTT Maximum Packet Size announced at connect)",
+            started.limits.max_packet_bytes != next.limits.max_packet_bytes,
         ),
+        ("limits.max_bytes_in_flight", started.limits.max_bytes_in_flight != next.limits.max_bytes_in_flight),
         ("cloud", started.cloud != next.cloud),
     ]
     .into_iter()
@@ -225,6 +315,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_shipped_unit_leaves_room_for_the_shipped_config_on_an_eight_core_gateway() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let unit = std::fs::read_to_string(root.join("systemd/edgeinfer.service")).unwrap();
+        let setting = |key: &str| -> usize {
+            let line = unit.lines().find(|l| l.starts_with(&format!("{key}="))).unwrap();
+            line[key.len() + 1..].trim().parse().unwrap()
+        };
+        let text = std::fs::read_to_string(root.join("systemd/edgeinfer.toml")).unwrap();
+        let config = Config::parse(&text).unwrap();
+        let versions = std::fs::read_dir(root.join("models"))
+            .unwrap()
+            .flat_map(|d| std::fs::read_dir(d.unwrap().path()).into_iter().flatten())
+            .filter(|v| v.as_ref().unwrap().path().join("model.toml").is_file())
+            .count();
+        assert!(versions >= 3, "{versions}");
+        // Room for four times the shipped models, or four threads each.
+        assert!(setting("TasksMax") >= tasks_needed(&config, 4 * versions, 8), "{}", setting("TasksMax"));
+        let mut threaded = config.clone();
+        threaded.runtime.threads_per_model = 4;
+        assert!(setting("TasksMax") >= tasks_needed(&threaded, versions, 8));
+        let mut embedded = config.clone();
+        embedded.mqtt.embedded_broker = true;
+        assert!(setting("LimitNOFILE") >= files_needed(&embedded));
+    }
+
+    #[test]
     fn a_reload_names_the_changes_it_cannot_apply() {
         let running = Config::default();
         assert!(needing_restart(&running, &running.clone()).is_empty());
@@ -233,13 +349,14 @@ mod tests {
         assert!(needing_restart(&running, &applied).is_empty(), "a threshold is applied by a reload");
         let mut next = running.clone();
         next.models.entry("digits".into()).or_default().cache_ttl_s = Some(5);
+        next.limits.max_packet_bytes *= 2;
         next.limits.max_payload_bytes *= 2;
         next.models.entry("digits".into()).or_default().threshold = 0.5;
         let named = needing_restart(&running, &next);
         assert_eq!(named.len(), 2, "{named:?}");
         assert!(
             named[0].starts_with("models.NAME.cache_ttl_s")
-                && named[1].starts_with("limits.max_payload_bytes")
+                && named[1].starts_with("limits.max_packet_bytes")
         );
     }
 }

@@ -23,12 +23,18 @@ pub enum NodeError {
     Mqtt(#[from] OptionsError),
     #[error("mqtt.url {0:?}: cannot resolve the host")]
     Resolve(String),
-    #[error("mqtt.embedded_v311_listen = {value:?}: {why}; give HOST:PORT, or \"\" for no 3.1.1 listener")]
-    V311Listen { value: String, why: String },
+    #[error("{key} = {value:?}: {why}")]
+    Listen { key: &'static str, value: String, why: String },
     #[error(transparent)]
     Broker(#[from] broker::BrokerError),
     #[error(transparent)]
     Cloud(#[from] CloudError),
+    #[error(transparent)]
+    HttpAccess(#[from] http::AccessError),
+    #[error(transparent)]
+    Threads(#[from] crate::engine::SpawnError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("http.listen = {listen:?}: cannot listen there: {source}")]
     Http { listen: String, source: std::io::Error },
 }
@@ -60,11 +66,11 @@ impl Node {
         let started = Instant::now();
         start_embedded_broker(&config, reload.config_file.is_none())?;
         let metrics = if config.telemetry.metrics { telemetry::install() } else { None };
-        telemetry::describe_models(&registry);
+        telemetry::describe_models(None, &registry);
         let cache = Cache::open(CacheOptions::from_config(&config));
-        let mut engine = Engine::new(Arc::new(registry), EngineOptions::from_config(&config), cache);
-        let (follow_ups, follow_ups_rx) = mpsc::unbounded_channel();
-        let (settled, settled_rx) = mpsc::unbounded_channel();
+        let mut engine = Engine::try_new(Arc::new(registry), EngineOptions::from_config(&config), cache)?;
+        let (follow_ups, follow_ups_rx) = mpsc::channel(spool::FOLLOW_UP_QUEUE);
+        let (settled, settled_rx) = mpsc::channel(spool::FOLLOW_UP_QUEUE);
         let mut spool_task = None;
         match CloudOptions::from_config(&config)? {
             Some(options) => {
@@ -104,18 +110,43 @@ impl Node {
         let (stop, _) = watch::channel(false);
         let mut http_server = None;
         if !config.http.listen.is_empty() {
-            let listen = &config.http.listen;
-            let listener = tokio::net::TcpListener::bind(listen)
+            let http_config = &config.http;
+            let listen = &http_config.listen;
+            let access = http::Access::from_config(http_config)?;
+            let tls = match (&http_config.tls_cert_file, &http_config.tls_key_file) {
+                (Some(cert), Some(key)) => Some(Arc::new(crate::tls::server_config(crate::tls::Identity {
+                    cert_key: "http.tls_cert_file",
+                    cert,
+                    key_key: "http.tls_key_file",
+                    key,
+                })?)),
+                _ => None,
+            };
+            let tcp = tokio::net::TcpListener::bind(listen)
                 .await
                 .map_err(|source| NodeError::Http { listen: listen.clone(), source })?;
-            let router = http::router(engine.clone(), metrics, mqtt_ready.clone());
-            tracing::info!("HTTP on {listen} (/metrics, /v2)");
-            let shutdown = stopped(stop.subscribe());
-            http_server = Some(tokio::spawn(async move {
-                if let Err(e) = http::serve(listener, router, shutdown).await {
-                    tracing::error!("HTTP server stopped: {e}");
-                }
-            }));
+            let body_timeout = Duration::from_millis(http_config.body_timeout_ms);
+            let router = http::router(engine.clone(), metrics, mqtt_ready.clone(), access, body_timeout);
+            tracing::info!(
+                "HTTP{} on {listen} (/metrics, /v2); inference {}, administration {}",
+                if tls.is_some() { "S" } else { "" },
+                if http_config.token_file.is_some() { "needs http.token_file's token" } else { "open" },
+                if http_config.admin_token_file.is_some() {
+                    "needs http.admin_token_file's token"
+                } else {
+                    "loopback only"
+                },
+            );
+            let listener = http::Listener {
+                tcp,
+                tls,
+                max_connections: http_config.max_connections,
+                header_timeout: Duration::from_millis(http_config.header_timeout_ms),
+                connection_lifetime: Duration::from_millis(
+                    http_config.header_timeout_ms + http_config.body_timeout_ms,
+                ) + Duration::from_secs(60),
+            };
+            http_server = Some(tokio::spawn(http::serve(listener, router, stopped(stop.subscribe()))));
         }
         let mqtt = tokio::spawn(service.run(stopped(stop.subscribe())));
         Ok(Node {
@@ -143,8 +174,19 @@ impl Node {
     pub async fn run(mut self, mut signals: mpsc::UnboundedReceiver<Signal>) {
         let notifier = Notifier;
         let mut ready = false;
+        // Until READY, systemd's start timeout would restart a node that is
+        // only waiting for its broker: while the MQTT loop keeps turning
+        // (retrying the connection), ask for more time.
+        let every = START_EXTENSION / 3;
+        let mut waiting = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tokio::select! {
+                _ = waiting.tick(), if !ready => {
+                    if self.heartbeat.age() < START_EXTENSION / 3 {
+                        let url = &self.running.mqtt.url;
+                        notifier.extend_start(START_EXTENSION, &format!("waiting for the broker at {url}"));
+                    }
+                }
                 changed = self.mqtt_ready.changed(), if !self.mqtt.is_finished() => {
                     if changed.is_err() {
                         continue;
@@ -206,15 +248,16 @@ impl Node {
                     tracing::error!("reload: refused {refused}");
                 }
                 self.running = config;
-                (!done.refused.is_empty()).then(|| format!("refused {}", done.refused.join("; ")))
+                // The status carries no paths: its subscribers are not all operators.
+                (!done.refused.is_empty()).then(|| format!("refused {}", done.refused_summary.join("; ")))
             }
             Ok(Err(e)) => {
                 tracing::error!("reload refused, still serving the previous config and models: {e}");
-                Some(e.to_string())
+                Some(e.reason())
             }
             Err(e) => {
                 tracing::error!("reload failed: {e}");
-                Some(format!("reload failed: {e}"))
+                Some("reload failed; see the log".into())
             }
         };
         // Derived, so a refused reload does not forget what still waits.
@@ -244,11 +287,26 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
     if !config.mqtt.embedded_broker && !fallback {
         return Ok(());
     }
-    let v311 = v311_listen(addr, config.mqtt.embedded_v311_listen.as_deref())?;
-    broker::start(addr, v311, config.limits.max_payload_bytes + 64 * 1024)?;
+    let mqtt = &config.mqtt;
+    let v5 = embedded_listen(addr, mqtt.embedded_listen.as_deref())?;
+    let v311 = match mqtt.embedded_v311_listen.as_deref() {
+        None | Some("") => None,
+        Some(listen) => Some(listen.parse::<SocketAddr>().map_err(|e| NodeError::Listen {
+            key: "mqtt.embedded_v311_listen",
+            value: listen.into(),
+            why: e.to_string(),
+        })?),
+    };
+    let login = crate::transport::mqtt::credentials(mqtt)?;
+    let user = login.as_ref().map(|(user, _)| user.clone());
+    broker::start(broker::Listeners { v5, v311 }, login, config.limits.max_packet_bytes)?;
     tracing::info!(
-        "embedded broker: MQTT 5 on {addr}{}",
-        v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default()
+        "embedded broker: MQTT 5 on {v5}{}; {}",
+        v311.map(|a| format!(", MQTT 3.1.1 on {a}")).unwrap_or_default(),
+        match user {
+            Some(user) => format!("clients log in as {user:?} with mqtt.password"),
+            None => "no login (set mqtt.username and mqtt.password_file to require one)".into(),
+        }
     );
     tracing::warn!(
         "the embedded broker is for trying edgeinfer out: it keeps queued requests and replies in this \
@@ -258,19 +316,31 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
     Ok(())
 }
 
-/// Where the embedded broker takes MQTT 3.1.1 clients: the configured
-/// address, none for "", and by default the port after the MQTT 5 one.
-fn v311_listen(v5: SocketAddr, configured: Option<&str>) -> Result<Option<SocketAddr>, NodeError> {
-    let bad = |value: &str, why: &str| NodeError::V311Listen { value: value.into(), why: why.into() };
+/// Where the embedded broker takes MQTT 5 clients: `mqtt.embedded_listen`,
+/// else mqtt.url's address, which must then be loopback: opening a broker
+/// to the network is a decision, not a default.
+fn embedded_listen(url: SocketAddr, configured: Option<&str>) -> Result<SocketAddr, NodeError> {
     match configured {
-        Some("") => Ok(None),
-        Some(listen) => listen.parse::<SocketAddr>().map(Some).map_err(|e| bad(listen, &e.to_string())),
-        None => match v5.port().checked_add(1) {
-            Some(port) => Ok(Some(SocketAddr::new(v5.ip(), port))),
-            None => Err(bad("", "mqtt.url uses port 65535, so there is no next port for MQTT 3.1.1")),
-        },
+        Some(listen) => listen.parse::<SocketAddr>().map_err(|e| NodeError::Listen {
+            key: "mqtt.embedded_listen",
+            value: listen.into(),
+            why: e.to_string(),
+        }),
+        None if url.ip().is_loopback() => Ok(url),
+        None => Err(NodeError::Listen {
+            key: "mqtt.url",
+            value: url.to_string(),
+            why: "with mqtt.embedded_broker = true the broker listens on loopback unless \
+                  mqtt.embedded_listen says otherwise; use mqtt://127.0.0.1:PORT, or set \
+                  mqtt.embedded_listen = \"0.0.0.0:PORT\" (and mqtt.username with a password, which \
+                  it then requires) to open it to the network"
+                .into(),
+        }),
     }
 }
+
+/// How much more time each start-timeout extension asks for.
+const START_EXTENSION: Duration = Duration::from_secs(60);
 
 /// Resolves once the stop flag is set.
 async fn stopped(mut stop: watch::Receiver<bool>) {
@@ -291,14 +361,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_311_listener_defaults_to_the_next_port_and_names_the_key_when_wrong() {
-        let v5: SocketAddr = "127.0.0.1:1883".parse().unwrap();
-        assert_eq!(v311_listen(v5, None).unwrap(), Some("127.0.0.1:1884".parse().unwrap()));
-        assert_eq!(v311_listen(v5, Some("")).unwrap(), None);
-        assert_eq!(v311_listen(v5, Some("0.0.0.0:2000")).unwrap(), Some("0.0.0.0:2000".parse().unwrap()));
-        let bad = v311_listen(v5, Some("nowhere")).unwrap_err().to_string();
-        assert!(bad.starts_with("mqtt.embedded_v311_listen = \"nowhere\""), "{bad}");
-        let top: SocketAddr = "127.0.0.1:65535".parse().unwrap();
-        assert!(v311_listen(top, None).unwrap_err().to_string().contains("65535"));
+    fn the_embedded_broker_stays_on_loopback_unless_told_otherwise() {
+        let local: SocketAddr = "127.0.0.1:1883".parse().unwrap();
+        assert_eq!(embedded_listen(local, None).unwrap(), local);
+        let lan: SocketAddr = "10.0.0.5:1883".parse().unwrap();
+        let refused = embedded_listen(lan, None).unwrap_err().to_string();
+        assert!(
+            refused.starts_with("mqtt.url = \"10.0.0.5:1883\"") && refused.contains("mqtt.embedded_listen")
+        );
+        assert_eq!(embedded_listen(lan, Some("0.0.0.0:1883")).unwrap(), "0.0.0.0:1883".parse().unwrap());
+        let bad = embedded_listen(local, Some("nowhere")).unwrap_err().to_string();
+        assert!(bad.starts_with("mqtt.embedded_listen = \"nowhere\""), "{bad}");
     }
 }

@@ -1,5 +1,6 @@
-//! rustls client settings shared by the MQTT connection and the cloud tier:
-//! one crypto stack (ring), and the system's roots or a PEM bundle.
+//! rustls settings: the client side shared by the MQTT connection and the
+//! cloud tier (the system's roots or a PEM bundle), and the HTTP listener's
+//! server side; one crypto stack (ring).
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -61,14 +62,34 @@ pub fn client_config(
     Ok(match identity {
         Some(id) => {
             let chain = read_certs(id.cert_key, id.cert)?;
-            let key = PrivateKeyDer::from_pem_file(id.key).map_err(|e| TlsError::Pem {
-                key: id.key_key,
-                path: id.key.into(),
-                why: format!("no PEM private key ({e})"),
-            })?;
+            let key = read_key(id.key_key, id.key)?;
             builder.with_client_auth_cert(chain, key).map_err(|e| TlsError::Setup(e.to_string()))?
         }
         None => builder.with_no_client_auth(),
+    })
+}
+
+/// The HTTP listener's certificate chain and key (`http.tls_cert_file`,
+/// `http.tls_key_file`).
+pub fn server_config(identity: Identity<'_>) -> Result<rustls::ServerConfig, TlsError> {
+    let chain = read_certs(identity.cert_key, identity.cert)?;
+    let key = read_key(identity.key_key, identity.key)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Setup(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| TlsError::Setup(format!("{}: {e}", identity.cert_key)))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+fn read_key(key: &'static str, path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Pem {
+        key,
+        path: path.into(),
+        why: format!("no PEM private key ({e})"),
     })
 }
 

@@ -23,7 +23,7 @@ pub struct Http {
 impl Http {
     pub fn new(
         base: &str,
-        token: Option<String>,
+        token: Option<&crate::config::Secret>,
         tls: rustls::ClientConfig,
         connect_timeout: Duration,
     ) -> Http {
@@ -41,7 +41,7 @@ impl Http {
             .build(https);
         Http {
             base: base.trim_end_matches('/').to_string(),
-            authorization: token.map(|t| format!("Bearer {t}")),
+            authorization: token.map(|t| format!("Bearer {}", t.0)),
             client,
         }
     }

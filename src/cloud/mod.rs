@@ -64,7 +64,8 @@ impl CloudError {
 #[derive(Debug, Clone)]
 pub struct CloudOptions {
     pub url: String,
-    pub token: Option<String>,
+    /// Redacted in `Debug`.
+    pub token: Option<crate::config::Secret>,
     pub ca_file: Option<std::path::PathBuf>,
     pub connect_timeout: Duration,
     pub timeout: Duration,
@@ -93,9 +94,10 @@ impl CloudOptions {
             }
             (None, None) => None,
         };
+        let token = token.filter(|t| !t.is_empty()).map(crate::config::Secret);
         Ok(Some(CloudOptions {
             url: c.url.clone(),
-            token: token.filter(|t| !t.is_empty()),
+            token,
             ca_file: c.ca_file.clone(),
             connect_timeout: Duration::from_millis(c.connect_timeout_ms),
             timeout: Duration::from_millis(c.timeout_ms),
@@ -121,7 +123,7 @@ impl Cloud {
         let https = options.url.starts_with("https://");
         let tls = crate::tls::client_config("cloud.ca_file", options.ca_file.as_deref(), None, https)
             .map_err(|e| CloudError::Setup(e.to_string()))?;
-        let http = client::Http::new(&options.url, options.token.clone(), tls, options.connect_timeout);
+        let http = client::Http::new(&options.url, options.token.as_ref(), tls, options.connect_timeout);
         metrics::gauge!(telemetry::CLOUD_BREAKER).set(BreakerState::Closed.gauge());
         Ok(Cloud {
             http,

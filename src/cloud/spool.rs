@@ -6,7 +6,7 @@
 //! a crash before then sends it again after the restart.
 
 use super::{Cloud, CloudError};
-use crate::protocol::{Delivery, InferResponse, ReplyRoute};
+use crate::protocol::{Delivery, FirstReply, InferResponse, ReplyRoute};
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -38,15 +38,29 @@ pub struct Settled {
     pub entry: SpoolEntry,
     pub cloud: Option<InferResponse>,
     pub delivery: Delivery,
+    /// The request's first reply, which this final one must not overtake
+    /// (none for entries from before a restart).
+    pub after: Option<FirstReply>,
 }
 
-/// An entry, and who waits to hear it is on disk.
-type Arrival = (SpoolEntry, tokio::sync::oneshot::Sender<bool>);
+/// An entry, what its final reply waits for, and who waits to hear it is
+/// on disk.
+type Arrival = (SpoolEntry, FirstReply, tokio::sync::oneshot::Sender<bool>);
 
 /// Final replies out for delivery at once; the spool asks the cloud for no
 /// more until the broker acknowledged some (this bounds every queue between
 /// here and the broker).
 const MAX_UNDELIVERED: usize = 64;
+
+/// The tree that holds the escalations.
+const TREE: &str = "escalations";
+
+/// Room in each channel between the spool and the broker (settled
+/// escalations, then follow-up replies): the finals out for delivery, and
+/// as many again for entries pushed out by new ones. When they are full
+/// (the broker is away), a final waits in the spool and a pushed-out
+/// entry's final is dropped (counted with `reason="room"`).
+pub const FOLLOW_UP_QUEUE: usize = 2 * MAX_UNDELIVERED;
 
 /// The requests' side: hands entries to the spool task.
 #[derive(Clone)]
@@ -58,9 +72,9 @@ impl Spool {
     /// Queues an entry and waits until it is on disk, so a provisional reply
     /// is only sent for an escalation that survives a restart. False when
     /// the task is too far behind or could not store it.
-    pub async fn push(&self, entry: SpoolEntry) -> bool {
+    pub async fn push(&self, entry: SpoolEntry, after: FirstReply) -> bool {
         let (done, stored) = tokio::sync::oneshot::channel();
-        if self.tx.try_send((entry, done)).is_err() {
+        if self.tx.try_send((entry, after, done)).is_err() {
             return false;
         }
         stored.await.unwrap_or(false)
@@ -69,6 +83,11 @@ impl Spool {
 
 pub struct SpoolTask {
     db: sled::Db,
+    dir: std::path::PathBuf,
+    /// On a stand-in store, after a rebuild could not reopen the real one.
+    detached: bool,
+    /// When the size of the store's files was last checked.
+    size_checked: Instant,
     /// The escalations, keyed by arrival (sled's monotonic ids, big-endian).
     tree: sled::Tree,
     rx: mpsc::Receiver<Arrival>,
@@ -83,10 +102,13 @@ pub struct SpoolTask {
     paused_until: Option<Instant>,
     /// Entries whose final reply is on its way to the broker.
     undelivered: HashSet<Vec<u8>>,
+    /// Stored entries whose request's first reply may not have left yet
+    /// (one per entry at most; in memory, like the requests).
+    first_replies: HashMap<Vec<u8>, FirstReply>,
     /// Where `Delivery` handles report back: (key, delivered).
     delivered_tx: mpsc::UnboundedSender<(Vec<u8>, bool)>,
     delivered_rx: mpsc::UnboundedReceiver<(Vec<u8>, bool)>,
-    settled: mpsc::UnboundedSender<Settled>,
+    settled: mpsc::Sender<Settled>,
 }
 
 /// Bounds of the spool (`cloud.spool_*`).
@@ -148,11 +170,12 @@ type Call =
 pub fn open(
     dir: &Path,
     limits: SpoolLimits,
-    settled: mpsc::UnboundedSender<Settled>,
+    settled: mpsc::Sender<Settled>,
 ) -> Result<(Spool, SpoolTask), SpoolError> {
     let err = |e: sled::Error| SpoolError { path: dir.display().to_string(), message: e.to_string() };
-    let db = sled::Config::new().path(dir).cache_capacity(1024 * 1024).open().map_err(err)?;
-    let tree = db.open_tree("escalations").map_err(err)?;
+    crate::store::recover(dir);
+    let db = crate::store::open(spool_config(dir)).map_err(err)?;
+    let tree = db.open_tree(TREE).map_err(err)?;
     migrate(&db, &tree).map_err(err)?;
     let (mut entries, mut bytes) = (0usize, 0u64);
     for item in tree.iter() {
@@ -172,6 +195,9 @@ pub fn open(
     let (delivered_tx, delivered_rx) = mpsc::unbounded_channel();
     let task = SpoolTask {
         db,
+        dir: dir.to_path_buf(),
+        detached: false,
+        size_checked: Instant::now(),
         tree,
         rx,
         limits,
@@ -180,12 +206,17 @@ pub fn open(
         backoff: HashMap::new(),
         paused_until: None,
         undelivered: HashSet::new(),
+        first_replies: HashMap::new(),
         delivered_tx,
         delivered_rx,
         settled,
     };
     task.gauges();
     Ok((Spool { tx }, task))
+}
+
+fn spool_config(dir: &Path) -> sled::Config {
+    sled::Config::new().path(dir).cache_capacity(1024 * 1024)
 }
 
 /// Entries written by 0.x releases (bare `SpoolEntry`s in the default tree)
@@ -236,6 +267,7 @@ impl SpoolTask {
         loop {
             let mut wake = None;
             if call.is_none() {
+                self.rebuild_if_grown();
                 self.expire();
                 match self.next(&cloud) {
                     Next::Call(key, stored) => {
@@ -278,6 +310,93 @@ impl SpoolTask {
         }
     }
 
+    /// sled's files outgrew `store::disk_bound` of `cloud.spool_max_bytes`
+    /// (it reclaims removed entries lazily): rebuild the store, checked at
+    /// most every 10 s and only while no final is out for delivery (those
+    /// are tracked by key, and the rebuilt store numbers entries afresh,
+    /// in the same order).
+    fn rebuild_if_grown(&mut self) {
+        if self.size_checked.elapsed() < Duration::from_secs(10) || !self.undelivered.is_empty() {
+            return;
+        }
+        self.size_checked = Instant::now();
+        if self.detached {
+            // A rebuild could not reopen the store: try again.
+            crate::store::recover(&self.dir);
+            match crate::store::open(spool_config(&self.dir)) {
+                Ok(db) => self.adopt(db),
+                Err(e) => tracing::warn!("cloud spool: reopening {}: {e}", self.dir.display()),
+            }
+            return;
+        }
+        let on_disk = self.db.size_on_disk().unwrap_or(0);
+        if on_disk <= crate::store::disk_bound(self.limits.max_bytes) {
+            return;
+        }
+        let mut rebuild = || {
+            // sled needs every handle of the old store gone: a throwaway
+            // one stands in meanwhile.
+            let standin = sled::Config::new().temporary(true).open().ok()?;
+            self.tree = standin.open_tree(TREE).ok()?;
+            let old = std::mem::replace(&mut self.db, standin);
+            let copy = |old: &sled::Db, fresh: &sled::Db| -> sled::Result<()> {
+                let (from, to) = (old.open_tree(TREE)?, fresh.open_tree(TREE)?);
+                for item in from.iter() {
+                    let (_, v) = item?;
+                    to.insert(fresh.generate_id()?.to_be_bytes(), v)?;
+                }
+                Ok(())
+            };
+            Some(crate::store::rebuild(&self.dir, old, spool_config, copy))
+        };
+        let rebuilt = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(rebuild),
+            _ => rebuild(),
+        };
+        match rebuilt {
+            None => {}
+            Some(Ok(db)) => {
+                let now = db.size_on_disk().unwrap_or(0);
+                tracing::info!("cloud spool store rebuilt: its files took {on_disk} bytes, now {now}");
+                metrics::counter!(telemetry::STORE_REBUILDS, "store" => "spool").increment(1);
+                self.adopt(db);
+            }
+            Some(Err(not)) => {
+                tracing::warn!("cloud spool store not rebuilt: {}", not.why);
+                match not.db {
+                    Some(db) => self.adopt(db),
+                    None => {
+                        tracing::error!(
+                            "cloud spool: its store cannot be reopened; escalations are kept in memory until it can"
+                        );
+                        self.detached = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Serves from `db` from now on, with its entries counted afresh.
+    fn adopt(&mut self, db: sled::Db) {
+        let tree = match db.open_tree(TREE) {
+            Ok(tree) => tree,
+            Err(e) => {
+                tracing::error!("cloud spool: opening its tree: {e}");
+                self.detached = true;
+                return;
+            }
+        };
+        let (mut entries, mut bytes) = (0usize, 0u64);
+        for (_, v) in tree.iter().flatten() {
+            entries += 1;
+            bytes += v.len() as u64;
+        }
+        (self.db, self.tree, self.entries, self.bytes, self.detached) = (db, tree, entries, bytes, false);
+        // Entries are numbered afresh: their pauses start over.
+        self.backoff.clear();
+        self.gauges();
+    }
+
     /// The oldest entry that may go to the cloud now, or when to look again.
     fn next(&mut self, cloud: &Cloud) -> Next {
         let now = Instant::now();
@@ -288,6 +407,11 @@ impl SpoolTask {
         if self.undelivered.len() >= MAX_UNDELIVERED {
             // A delivery report wakes the task.
             return Next::Idle;
+        }
+        if self.settled.capacity() == 0 {
+            // The way to the broker is full (it is away): an answer now
+            // could not be handed on, so no cloud call until there is room.
+            return Next::WaitUntil(now + Duration::from_millis(500));
         }
         self.backoff.retain(|_, at| *at > now);
         let mut earliest: Option<Instant> = None;
@@ -381,8 +505,11 @@ impl SpoolTask {
     /// broker acknowledged it.
     fn finish(&mut self, key: Vec<u8>, entry: SpoolEntry, cloud: Option<InferResponse>) {
         self.undelivered.insert(key.clone());
+        let after = self.first_replies.remove(&key);
         let delivery = Delivery::new(key, self.delivered_tx.clone());
-        let _ = self.settled.send(Settled { entry, cloud, delivery });
+        // Full: the delivery handle drops unconfirmed, and the entry is sent
+        // again after a pause.
+        let _ = self.settled.try_send(Settled { entry, cloud, delivery, after });
     }
 
     /// A final reply reached the broker: the entry is done. Or it did not
@@ -413,7 +540,8 @@ impl SpoolTask {
     /// error reply) or that did not reach the disk is taken out again: it
     /// must not produce a second final reply.
     async fn store_all(&mut self, arrived: Vec<Arrival>) {
-        let stored: Vec<_> = arrived.into_iter().map(|(e, done)| (self.store(e), done)).collect();
+        let stored: Vec<_> =
+            arrived.into_iter().map(|(e, after, done)| (self.store(e, Some(after)), done)).collect();
         let flushed = self.db.flush_async().await.is_ok();
         let mut withdrawn = false;
         for (key, done) in stored {
@@ -434,7 +562,7 @@ impl SpoolTask {
     /// Keeps the entry, dropping the oldest to stay within the bounds; a
     /// dropped one's device gets the edge answer as the final reply.
     /// Returns its key and size, or `None` where it could not be stored.
-    fn store(&mut self, entry: SpoolEntry) -> Option<([u8; 8], usize)> {
+    fn store(&mut self, entry: SpoolEntry, after: Option<FirstReply>) -> Option<([u8; 8], usize)> {
         let value = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry });
         let len = value.len() as u64;
         while self.entries > 0
@@ -444,17 +572,20 @@ impl SpoolTask {
             self.entries -= 1;
             self.bytes = self.bytes.saturating_sub(old.len() as u64);
             self.backoff.remove(&key[..]);
+            let after = self.first_replies.remove(&key[..]);
             // One whose final reply is already on its way needs no other.
             if !self.undelivered.remove(&key[..])
                 && let Ok(old) = postcard::from_bytes::<Stored>(&old)
             {
                 metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => GiveUp::Room.as_str())
                     .increment(1);
-                let _ = self.settled.send(Settled {
-                    entry: old.entry,
-                    cloud: None,
-                    delivery: Delivery::untracked(),
-                });
+                let ended = Settled { entry: old.entry, cloud: None, delivery: Delivery::untracked(), after };
+                if self.settled.try_send(ended).is_err() {
+                    tracing::warn!(
+                        "cloud spool: full while the broker is away; an escalation pushed out for room gets \
+                         no final reply"
+                    );
+                }
             }
         }
         let key = self.db.generate_id().unwrap_or(0).to_be_bytes();
@@ -462,6 +593,9 @@ impl SpoolTask {
             Ok(_) => {
                 self.entries += 1;
                 self.bytes += len;
+                if let Some(after) = after {
+                    self.first_replies.insert(key.to_vec(), after);
+                }
                 Some((key, len as usize))
             }
             Err(e) => {
@@ -474,6 +608,7 @@ impl SpoolTask {
     }
 
     fn remove(&mut self, key: &[u8], len: usize) {
+        self.first_replies.remove(key);
         if let Ok(Some(_)) = self.tree.remove(key) {
             self.entries = self.entries.saturating_sub(1);
             self.bytes = self.bytes.saturating_sub(len as u64);
@@ -510,14 +645,14 @@ mod tests {
         SpoolLimits { max_entries, max_bytes, max_attempts: 3, max_age: Duration::from_secs(3600) }
     }
 
-    type Ended = mpsc::UnboundedReceiver<Settled>;
+    type Ended = mpsc::Receiver<Settled>;
 
     /// `open` again after a drop: sled's flusher thread can hold the file
     /// lock a moment after its `Db` is gone (seen under full-suite load).
     fn reopen(dir: &Path, limits: SpoolLimits) -> (Spool, SpoolTask, Ended) {
         let start = std::time::Instant::now();
         loop {
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::channel(FOLLOW_UP_QUEUE);
             match open(dir, limits, tx) {
                 Ok((spool, task)) => return (spool, task, rx),
                 Err(e) if start.elapsed() > Duration::from_secs(5) => panic!("{e}"),
@@ -577,7 +712,7 @@ mod tests {
         {
             let (_spool, mut task, mut rx) = reopen(dir.path(), limits(3, u64::MAX));
             for n in 0..5 {
-                assert!(task.store(entry(n)).is_some());
+                assert!(task.store(entry(n), None).is_some());
             }
             assert_eq!(task.entries, 3);
             task.db.flush().unwrap();
@@ -590,9 +725,57 @@ mod tests {
         let one = encode(&Stored { attempts: 0, queued_at_ms: unix_ms(), entry: entry(0) }).len() as u64;
         drop(task);
         let (_spool, mut task, _rx) = reopen(dir.path(), limits(100, 2 * one));
-        assert!(task.store(entry(9)).is_some());
+        assert!(task.store(entry(9), None).is_some());
         assert_eq!(task.entries, 2, "the byte bound holds too");
         assert!(task.bytes <= 2 * one);
+    }
+
+    #[test]
+    fn a_full_channel_to_the_broker_keeps_the_entry_for_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tx, mut rx) = mpsc::channel(1);
+        let (_spool, mut task) = open(dir.path(), limits(10, u64::MAX), tx).unwrap();
+        let keys: Vec<Vec<u8>> = (0..2).map(|n| task.store(entry(n), None).unwrap().0.to_vec()).collect();
+        task.finish(keys[0].clone(), entry(0), None);
+        task.finish(keys[1].clone(), entry(1), None);
+        let (what, _deliveries) = ended(&mut rx);
+        assert_eq!(what, vec![("dev/0".into(), false)], "one fits the channel");
+        task.delivery_reports();
+        assert_eq!(task.entries, 2, "the one that did not fit is still stored");
+        assert!(task.backoff.contains_key(&keys[1]), "and goes again after a pause");
+        assert!(!task.undelivered.contains(&keys[1]));
+    }
+
+    #[test]
+    fn a_store_whose_files_outgrow_their_bound_is_rebuilt_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let max_bytes = 256 * 1024;
+        let (_spool, mut task, mut rx) = reopen(dir.path(), limits(100, max_bytes));
+        let big = |n: usize| SpoolEntry { edge: vec![b'x'; 2000], ..entry(n) };
+        let mut peak = 0;
+        for n in 0..6000 {
+            assert!(task.store(big(n), None).is_some());
+            while rx.try_recv().is_ok() {}
+            if n % 500 == 499 {
+                task.db.flush().unwrap();
+                peak = peak.max(task.db.size_on_disk().unwrap());
+            }
+        }
+        let bound = crate::store::disk_bound(max_bytes);
+        assert!(peak > bound, "the churn grew the files past the bound ({peak} <= {bound})");
+        let before = topics(&task);
+        task.size_checked = Instant::now() - Duration::from_secs(11);
+        task.rebuild_if_grown();
+        let after = task.db.size_on_disk().unwrap();
+        assert!(after <= bound, "{after} > {bound}");
+        assert_eq!(topics(&task), before, "the same entries, in the same order");
+        assert_eq!(task.entries, 100);
+        // New arrivals go after them.
+        assert!(task.store(big(7000), None).is_some());
+        assert_eq!(topics(&task).last().map(String::as_str), Some("dev/7000"));
+        drop(task);
+        let (_spool, task, _rx) = reopen(dir.path(), limits(100, max_bytes));
+        assert_eq!(task.entries, 100, "the rebuilt store is the one opened next time");
     }
 
     #[test]
@@ -618,10 +801,12 @@ mod tests {
         let (waiting, stored) = tokio::sync::oneshot::channel();
         let (gone, dropped) = tokio::sync::oneshot::channel::<bool>();
         drop(dropped);
-        task.store_all(vec![(entry(1), waiting), (entry(2), gone)]).await;
+        let after = || crate::protocol::first_reply().1;
+        task.store_all(vec![(entry(1), after(), waiting), (entry(2), after(), gone)]).await;
         assert!(stored.await.unwrap(), "the waiting request hears it is on disk");
         assert_eq!(topics(&task), vec!["dev/1"], "the abandoned one would have been a second final");
         assert_eq!(task.entries, 1);
+        assert_eq!(task.first_replies.len(), 1, "the withdrawn one's first reply is forgotten with it");
     }
 
     /// Issue 16, finding 1: an entry used to leave the store as soon as its
@@ -632,7 +817,7 @@ mod tests {
         let cloud = cloud();
         {
             let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
-            task.store(entry(0)).unwrap();
+            task.store(entry(0), None).unwrap();
             let Next::Call(key, stored) = task.next(&cloud) else { panic!("due") };
             task.settle(key, stored, Ok(answer())).await;
             let (what, deliveries) = ended(&mut rx);
@@ -661,12 +846,31 @@ mod tests {
         assert!(matches!(task.next(&cloud), Next::Idle));
     }
 
+    /// A fast cloud answered before the provisional reply had left, and the
+    /// device got the final reply first (seen once in a full test run).
+    #[tokio::test]
+    async fn a_final_reply_carries_its_request_s_first_reply_and_waits_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
+        let (pending, after) = crate::protocol::first_reply();
+        task.store(entry(0), Some(after)).unwrap();
+        let Next::Call(key, stored) = task.next(&cloud()) else { panic!("due") };
+        task.settle(key, stored, Ok(answer())).await;
+        let settled = rx.try_recv().expect("settled");
+        assert!(task.first_replies.is_empty(), "handed on with the entry");
+        let mut sent = Box::pin(settled.after.expect("the request's first reply").sent());
+        let waited = tokio::time::timeout(Duration::from_millis(50), &mut sent).await;
+        assert!(waited.is_err(), "the provisional reply has not been handed on yet");
+        drop(pending);
+        tokio::time::timeout(Duration::from_secs(1), sent).await.expect("resolves once handed on");
+    }
+
     #[tokio::test]
     async fn an_entry_the_cloud_keeps_failing_steps_aside_then_ends_after_its_attempts() {
         let dir = tempfile::tempdir().unwrap();
         let (_spool, mut task, mut rx) = reopen(dir.path(), limits(10, u64::MAX));
         for n in 0..3 {
-            task.store(entry(n)).unwrap();
+            task.store(entry(n), None).unwrap();
         }
         let cloud = cloud();
         let Next::Call(poison, stored) = task.next(&cloud) else { panic!("the oldest is due") };
@@ -707,7 +911,7 @@ mod tests {
         let mut l = limits(10, u64::MAX);
         l.max_age = Duration::from_millis(1);
         let (_spool, mut task, mut rx) = reopen(dir.path(), l);
-        task.store(entry(0)).unwrap();
+        task.store(entry(0), None).unwrap();
         task.paused_until = Some(Instant::now() + Duration::from_secs(60));
         tokio::time::sleep(Duration::from_millis(10)).await;
         task.expire();

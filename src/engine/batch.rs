@@ -2,8 +2,12 @@
 //! threads: an idle one takes the queue, forms the next batch and runs it
 //! itself, so a request crosses one thread boundary each way. Each entry
 //! carries its own reply channel. A window opens when its first request
-//! arrives and closes at the batch limit, at `max_delay`, or earlier when
-//! waiting would make a request miss its deadline. Requests already past
+//! arrives and takes what already waits; it stays open for more (up to the
+//! batch limit, `max_delay`, or earlier when waiting would make a request
+//! miss its deadline) only while another of the model's threads is running
+//! a batch: then waiting can pay, since the model is busy anyway. An idle
+//! model runs a lone request at once; under load the queue grows while the
+//! threads run, and the next batch takes it all. Requests already past
 //! their deadline are answered `deadline_exceeded` without running.
 //!
 //! The window logic (`Window`) takes the time as an argument, so its tests
@@ -15,7 +19,8 @@ use crate::model::RawOutput;
 use crate::protocol::{InferError, TensorData};
 use crate::telemetry::{self, Stage};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -191,12 +196,15 @@ impl Pacing {
 }
 
 /// Forms the next batch from the shared queue: waits for a first request,
-/// then for more until the window closes. `None` once the queue is closed.
+/// takes what already waits, then, while `running` (the model's threads
+/// running a batch) is not zero, waits for more until the window closes.
+/// `None` once the queue is closed.
 pub fn next_batch(
     queue: &Mutex<Receiver<Queued>>,
     policy: &BatchPolicy,
     pacing: &Pacing,
     model: &str,
+    running: &AtomicUsize,
 ) -> Option<Batch> {
     let depth = metrics::gauge!(telemetry::QUEUE_DEPTH, "model" => model.to_string());
     // Holding the queue while the window is open keeps the other threads
@@ -212,6 +220,17 @@ pub fn next_batch(
         window.admit(first, now, pacing.expected_run);
         let limit = pacing.limit(policy);
         while window.rows() < limit {
+            match queue.try_recv() {
+                Ok(entry) => {
+                    depth.decrement(1.0);
+                    window.admit(entry, Instant::now(), pacing.expected_run);
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+                // Idle: nothing would come sooner for waiting.
+                Err(TryRecvError::Empty) if running.load(Ordering::Relaxed) == 0 => break,
+                Err(TryRecvError::Empty) => {}
+            }
             let now = Instant::now();
             if now >= window.close_at() {
                 break;
@@ -236,11 +255,22 @@ pub fn run_batches(
     queue: &Mutex<Receiver<Queued>>,
     policy: &BatchPolicy,
     model: &str,
+    running: &AtomicUsize,
     run: impl Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError>,
 ) {
     let mut pacing = Pacing::new(policy);
     let rows_metric = metrics::histogram!(telemetry::BATCH_ROWS, "model" => model.to_string());
-    while let Some(batch) = next_batch(queue, policy, &pacing, model) {
+    while let Some(batch) = next_batch(queue, policy, &pacing, model, running) {
+        /// Counts this thread as running until the batch is done (also
+        /// when it panics).
+        struct Running<'a>(&'a AtomicUsize);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        running.fetch_add(1, Ordering::Relaxed);
+        let _running = Running(running);
         let opened = batch.opened;
         let started = Instant::now();
         rows_metric.record(batch.rows as f64);
@@ -330,7 +360,28 @@ mod tests {
             tx.send(e).unwrap();
         }
         drop(tx);
-        next_batch(&Mutex::new(rx), policy, &Pacing::new(policy), "test")
+        next_batch(&Mutex::new(rx), policy, &Pacing::new(policy), "test", &AtomicUsize::new(1))
+    }
+
+    #[test]
+    fn an_idle_model_runs_a_lone_request_at_once_and_a_busy_one_waits_for_more() {
+        let p = policy(8, 300);
+        for (running, waits) in [(0, false), (1, true)] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (e, _reply) = entry(1, None);
+            tx.send(e).unwrap();
+            let started = Instant::now();
+            let batch = next_batch(&Mutex::new(rx), &p, &Pacing::new(&p), "test", &AtomicUsize::new(running))
+                .unwrap();
+            let took = started.elapsed();
+            assert_eq!(batch.rows, 1);
+            if waits {
+                assert!(took >= 300 * MS, "another batch running: the window waits ({took:?})");
+            } else {
+                assert!(took < 100 * MS, "idle: no window ({took:?})");
+            }
+            drop(tx);
+        }
     }
 
     #[test]
@@ -493,7 +544,7 @@ mod tests {
             keep.push(r);
             tx.send(e).unwrap();
         }
-        let batch = next_batch(&Mutex::new(rx), &p, &pacing, "test").unwrap();
+        let batch = next_batch(&Mutex::new(rx), &p, &pacing, "test", &AtomicUsize::new(1)).unwrap();
         assert_eq!(batch.rows, 3, "the batch stops at the adaptive limit, not max_batch");
     }
 }

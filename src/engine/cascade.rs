@@ -10,7 +10,8 @@ use super::postprocess::{self, EdgeAnswer};
 use crate::cloud::{Cloud, CloudError, Spool, SpoolEntry};
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::{
-    Confidence, Encoding, Enrich, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy, Tier,
+    Confidence, Encoding, Enrich, FollowUpTo, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy,
+    Tier,
 };
 use crate::telemetry;
 use std::future::Future;
@@ -59,7 +60,7 @@ pub struct Cascade<'a> {
     /// `parameters.enrich` over the policy's; only a model that escalates has one.
     enrich: Option<Enrich>,
     /// Where a second reply can go (MQTT).
-    follow_up: Option<&'a ReplyRoute>,
+    follow_up: Option<&'a FollowUpTo>,
     /// The cloud gets what is left of the deadline minus a reserve, so a
     /// slow cloud still leaves time to send the edge answer.
     cloud_deadline: Option<Instant>,
@@ -264,16 +265,16 @@ async fn spool_escalation(
     model: &str,
     req: &InferRequest,
     edge: &InferResponse,
-    route: &ReplyRoute,
+    follow_up: &FollowUpTo,
 ) -> bool {
     let entry = SpoolEntry {
         model: model.to_string(),
         cloud_model: policy.cloud_model(model).to_string(),
         request: serde_json::to_vec(req).expect("JSON encoding of protocol types cannot fail"),
         edge: serde_json::to_vec(edge).expect("JSON encoding of protocol types cannot fail"),
-        route: route.clone(),
+        route: follow_up.route.clone(),
     };
-    let queued = spool.push(entry).await;
+    let queued = spool.push(entry, follow_up.after.clone()).await;
     if queued {
         count_escalation(model, "async");
     }

@@ -1,7 +1,6 @@
 //! Stage 1: bytes to a request, refusing oversized payloads before parsing.
 
 use crate::config::LimitsConfig;
-use crate::protocol::postcard::WireRequest;
 use crate::protocol::{Encoding, InferError, InferRequest, codec};
 
 /// A payload read once: the request, or why it is not one, with the `id`
@@ -17,9 +16,11 @@ pub struct Decoded {
 pub fn decode(payload: &[u8], encoding: Encoding, limits: &LimitsConfig) -> Decoded {
     let request = if payload.len() > limits.max_payload_bytes {
         Err(InferError::too_large(format!(
-            "the payload has {} bytes, more than limits.max_payload_bytes = {}; send fewer rows per request",
+            "the payload has {} bytes, more than limits.max_payload_bytes = {}; send fewer rows per request \
+             (messages over limits.max_packet_bytes = {} are dropped by the broker unanswered)",
             payload.len(),
-            limits.max_payload_bytes
+            limits.max_payload_bytes,
+            limits.max_packet_bytes
         )))
     } else {
         codec::decode_request(payload, encoding)
@@ -47,11 +48,19 @@ pub struct Peek {
 pub fn peek(payload: &[u8], encoding: Encoding) -> Peek {
     match encoding {
         Encoding::Json => serde_json::from_slice::<Peek>(payload).unwrap_or_default(),
-        // The wire struct alone: a request refused for its contents (NaN
-        // data, say) still has an id to answer.
-        Encoding::Postcard => match ::postcard::from_bytes::<WireRequest>(payload) {
-            Ok(wire) => Peek { id: wire.id, reply_to: wire.reply_to },
+        // Postcard is read in field order: the first two fields alone, so a
+        // request refused for its contents (NaN data, say, or its size)
+        // still has an id to answer, and its data is never read.
+        Encoding::Postcard => match ::postcard::take_from_bytes::<WireHead>(payload) {
+            Ok((head, _)) => Peek { id: head.id, reply_to: head.reply_to },
             Err(_) => Peek::default(),
         },
     }
+}
+
+/// The leading fields of a postcard `WireRequest`.
+#[derive(serde::Deserialize)]
+struct WireHead {
+    id: String,
+    reply_to: Option<String>,
 }

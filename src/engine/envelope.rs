@@ -1,6 +1,6 @@
 //! What a transport hands the pipeline with a payload.
 
-use crate::protocol::ReplyRoute;
+use crate::protocol::FollowUpTo;
 use std::time::Duration;
 
 /// What a transport knows about a request besides its payload.
@@ -18,7 +18,7 @@ pub struct Envelope<'a> {
     pub transport: &'static str,
     /// Where a second reply can go (MQTT); without one, async enrichment
     /// is answered synchronously.
-    pub follow_up: Option<&'a ReplyRoute>,
+    pub follow_up: Option<&'a FollowUpTo>,
 }
 
 impl<'a> Envelope<'a> {

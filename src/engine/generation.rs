@@ -3,7 +3,7 @@
 //! one they started with, whose threads stop after.
 
 use super::options::EngineOptions;
-use super::run::Runner;
+use super::run::{Runner, SpawnError};
 use super::stats::Answered;
 use crate::model::{Registry, Versions};
 use std::collections::HashMap;
@@ -25,11 +25,11 @@ impl Generation {
         registry: Arc<Registry>,
         options: EngineOptions,
         previous: Option<&Generation>,
-    ) -> Generation {
-        let runners = registry.map(|m| {
+    ) -> Result<Generation, SpawnError> {
+        let runners = registry.try_map(|m| {
             let policy = options.batching(m.name()).clone();
             Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity)
-        });
+        })?;
         let answered = registry
             .active()
             .map(|m| {
@@ -37,7 +37,7 @@ impl Generation {
                 (m.name().to_string(), kept.unwrap_or_else(|| Answered::new(m.name())))
             })
             .collect();
-        Generation { registry, runners, options, answered }
+        Ok(Generation { registry, runners, options, answered })
     }
 
     /// The `model` label: the name for models this node serves, `unknown`

@@ -23,7 +23,7 @@ pub use cascade::{CascadePolicy, CloudTier};
 pub use decode::{Decoded, Peek, peek};
 pub use envelope::Envelope;
 pub use options::EngineOptions;
-pub use run::Runner;
+pub use run::{Runner, SpawnError};
 pub use stats::ModelStats;
 
 use crate::cloud::Settled;
@@ -40,6 +40,23 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+/// One request in the in-flight gauge, for as long as it lives.
+struct InFlight(metrics::Gauge);
+
+impl InFlight {
+    fn enter(model: &str) -> InFlight {
+        let gauge = metrics::gauge!(telemetry::IN_FLIGHT, "model" => model.to_string());
+        gauge.increment(1.0);
+        InFlight(gauge)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
+}
 
 /// The one reply to a request, encoded, and what a transport logs about it.
 #[derive(Debug)]
@@ -63,15 +80,25 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the inference threads of every loaded model version.
+    /// Starts the inference threads of every loaded model version; panics
+    /// when one cannot start (tests and tools; the node uses `try_new`).
     pub fn new(registry: Arc<Registry>, options: EngineOptions, cache: Cache) -> Engine {
-        Engine {
-            current: RwLock::new(Arc::new(Generation::start(registry, options, None))),
+        Engine::try_new(registry, options, cache).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts the inference threads of every loaded model version.
+    pub fn try_new(
+        registry: Arc<Registry>,
+        options: EngineOptions,
+        cache: Cache,
+    ) -> Result<Engine, SpawnError> {
+        Ok(Engine {
+            current: RwLock::new(Arc::new(Generation::start(registry, options, None)?)),
             cache,
             cloud_tier: None,
             stats: Stats::start(),
             reload_outcome: Default::default(),
-        }
+        })
     }
 
     /// Escalates to the cloud tier from now on.
@@ -99,8 +126,9 @@ impl Engine {
         let start = Instant::now();
         let generation = self.current();
         let label = generation.model_label(envelope.model);
-        let in_flight = metrics::gauge!(telemetry::IN_FLIGHT, "model" => label.to_string());
-        in_flight.increment(1.0);
+        // Counted back down when dropped: also when a transport stops
+        // waiting (an HTTP client that hung up cancels this future).
+        let _in_flight = InFlight::enter(label);
         let result = match decoded.request {
             // A panic anywhere in the pipeline is this request's `internal`
             // reply, not a request acknowledged with no reply at all.
@@ -114,7 +142,6 @@ impl Engine {
         let version = result.as_ref().map(|r| r.model_version.clone()).unwrap_or_default();
         let payload = codec::encode_reply(&decoded.id, result, encoding);
         self.record(&generation, label, &version, envelope.transport, outcome, start.elapsed());
-        in_flight.decrement(1.0);
         Reply { id: decoded.id, outcome, payload }
     }
 
@@ -207,10 +234,13 @@ impl Engine {
 
     /// Serves `registry` with `options` from now on. Requests already running
     /// finish on the models they started with; their threads stop after.
-    pub fn reload(&self, registry: Arc<Registry>, options: EngineOptions) {
+    /// Swaps in a new generation; if its threads cannot all start, the
+    /// current one serves on.
+    pub fn reload(&self, registry: Arc<Registry>, options: EngineOptions) -> Result<(), SpawnError> {
         let previous = self.current();
-        let next = Arc::new(Generation::start(registry, options, Some(&previous)));
+        let next = Arc::new(Generation::start(registry, options, Some(&previous))?);
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
+        Ok(())
     }
 
     /// The models in service now.
@@ -237,19 +267,26 @@ impl Engine {
     /// transport. It holds the engine weakly, so a dropped engine ends it.
     pub fn finish_escalations(
         self: &Arc<Self>,
-        mut settled: mpsc::UnboundedReceiver<Settled>,
-        follow_ups: mpsc::UnboundedSender<FollowUp>,
+        mut settled: mpsc::Receiver<Settled>,
+        follow_ups: mpsc::Sender<FollowUp>,
     ) {
         let engine = Arc::downgrade(self);
         tokio::spawn(async move {
-            while let Some(Settled { entry, cloud, delivery }) = settled.recv().await {
+            while let Some(Settled { entry, cloud, delivery, after }) = settled.recv().await {
                 let Some(engine) = engine.upgrade() else { return };
                 let generation = engine.current();
                 let model = generation.registry.get(&entry.model, None).ok();
                 let node = &generation.options.node_id;
                 match cascade::finish(model.as_deref(), &entry, cloud, node) {
                     Some((route, payload)) => {
-                        let _ = follow_ups.send(FollowUp { route, payload, delivery });
+                        if let Some(first) = after {
+                            // The transport hands the provisional reply on
+                            // right after the pipeline returns: moments.
+                            first.sent().await;
+                        }
+                        // Waits while the transport is away (bounded channels
+                        // all the way back to the spool).
+                        let _ = follow_ups.send(FollowUp { route, payload, delivery }).await;
                     }
                     None => {
                         // Nothing can be sent for it, now or later.

@@ -27,11 +27,29 @@ pub struct Runner {
 /// What an inference thread runs on a packed batch.
 type RunBatch = dyn Fn(usize, &TensorData) -> Result<Vec<RawOutput>, InferError> + Send + Sync;
 
+/// An inference thread could not be started (the service's task limit, or
+/// memory): the models it was for do not go into service.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot start an inference thread for model {model}: {source}; raise the service's TasksMax \
+     (systemd) or lower runtime.threads_per_model"
+)]
+pub struct SpawnError {
+    pub model: String,
+    source: std::io::Error,
+}
+
 impl Runner {
-    pub fn start(model: Arc<LoadedModel>, policy: BatchPolicy, threads: usize, capacity: usize) -> Runner {
+    pub fn start(
+        model: Arc<LoadedModel>,
+        policy: BatchPolicy,
+        threads: usize,
+        capacity: usize,
+    ) -> Result<Runner, SpawnError> {
         let run_model = model.clone();
         let run: Arc<RunBatch> = Arc::new(move |rows, input: &TensorData| {
             panic_on_marked_input(run_model.name(), input);
+            slow_inference(run_model.name());
             run_model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
         });
         Runner::start_with(model, policy, threads, capacity, run)
@@ -47,14 +65,16 @@ impl Runner {
         threads: usize,
         capacity: usize,
         run: Arc<RunBatch>,
-    ) -> Runner {
+    ) -> Result<Runner, SpawnError> {
         let (queue, queued) = sync_channel::<Queued>(capacity.max(1));
         let queued = Arc::new(Mutex::new(queued));
         let finished = Arc::new(AtomicU64::new(0));
+        // The threads running a batch now: a window waits only while one is.
+        let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for i in 0..threads.max(1) {
             let name = model.name().to_string();
-            let (queued, policy, run, finished) =
-                (queued.clone(), policy.clone(), run.clone(), finished.clone());
+            let (queued, policy, run, finished, running) =
+                (queued.clone(), policy.clone(), run.clone(), finished.clone(), running.clone());
             std::thread::Builder::new()
                 .name(format!("infer-{name}-{i}"))
                 .spawn(move || {
@@ -70,15 +90,16 @@ impl Runner {
                         })
                     };
                     // Ends when the queue closes (a reload retired this version).
-                    while let Err(panic) =
-                        catch_unwind(AssertUnwindSafe(|| run_batches(&queued, &policy, &name, guarded)))
-                    {
+                    while let Err(panic) = catch_unwind(AssertUnwindSafe(|| {
+                        run_batches(&queued, &policy, &name, &running, guarded)
+                    })) {
                         count_panic(&name, &panic_message(&*panic));
                     }
                 })
-                .expect("spawning an inference thread");
+                // The threads already started end when `queue` drops.
+                .map_err(|source| SpawnError { model: model.name().to_string(), source })?;
         }
-        Runner { model, queue, finished, probed: AtomicU64::new(0) }
+        Ok(Runner { model, queue, finished, probed: AtomicU64::new(0) })
     }
 
     /// Whether a batch finished since the previous call (the watchdog's
@@ -144,6 +165,22 @@ pub(super) fn failpoint_scope(arg: &str) -> (Option<&str>, &str) {
     arg.rsplit_once(':').map_or((None, arg), |(scope, value)| (Some(scope), value))
 }
 
+/// Fail point `inference_delay`: `return(MS)`, or `return(MODEL:MS)` for one
+/// model, makes every batch take that much longer (a slow model, for tests
+/// that need requests in flight).
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn slow_inference(model: &str) -> Option<()> {
+    fail::fail_point!("inference_delay", |arg: Option<String>| {
+        let arg = arg?;
+        let (only, ms) = failpoint_scope(&arg);
+        if only.is_none_or(|m| m == model) {
+            std::thread::sleep(std::time::Duration::from_millis(ms.parse().ok()?));
+        }
+        None
+    });
+    None
+}
+
 /// Fault injection for the end-to-end tests (`--features failpoints`; the
 /// shipped binary has none): `FAILPOINTS=inference_panic=return(V)` panics
 /// on a batch holding the preprocessed value `V`; `return(MODEL:V)` only on
@@ -178,7 +215,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_run_is_an_internal_error_and_the_runner_keeps_serving() {
-        let runner = Runner::start(digits(), BatchPolicy::default(), 1, 4);
+        let runner = Runner::start(digits(), BatchPolicy::default(), 1, 4).unwrap();
         let broken = Prepared { rows: 1, input: TensorData::F32(vec![0.0; 3]) };
         let err = runner.run(broken, None).await.unwrap_err();
         assert_eq!(err.code, ErrorCode::Internal);
@@ -201,7 +238,7 @@ mod tests {
             inner.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
         });
         // One thread: had the panic killed it, nothing would answer after.
-        let runner = Runner::start_with(model, BatchPolicy::default(), 1, 4, run);
+        let runner = Runner::start_with(model, BatchPolicy::default(), 1, 4, run).unwrap();
         for round in 0..3 {
             let marked = Prepared { rows: 1, input: TensorData::F32(vec![-1.0; 64]) };
             let err = runner.run(marked, None).await.unwrap_err();
@@ -219,7 +256,7 @@ mod tests {
         // No batching and a queue of one: requests arriving faster than one
         // inference thread runs them overflow it.
         let policy = BatchPolicy { max_batch: 1, max_delay: std::time::Duration::ZERO, latency_budget: None };
-        let runner = Arc::new(Runner::start(digits(), policy, 1, 1));
+        let runner = Arc::new(Runner::start(digits(), policy, 1, 1).unwrap());
         let pending: Vec<_> = (0..200)
             .map(|_| {
                 let r = runner.clone();

@@ -20,3 +20,16 @@ pub enum LoadError {
     )]
     Golden { model: String, version: String, vector: usize, batch: usize, max_diff: f64, tolerance: f64 },
 }
+
+impl LoadError {
+    /// A few words and no paths, for the retained status (the log has the rest).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            LoadError::Io { .. } => "a file cannot be read",
+            LoadError::Manifest { .. } => "invalid manifest",
+            LoadError::Sha256Mismatch { .. } => "the model file does not match its sha256",
+            LoadError::Tract { .. } => "tract cannot load or plan it",
+            LoadError::Golden { .. } => "its golden outputs differ",
+        }
+    }
+}

@@ -95,13 +95,37 @@ pub struct GoldenSpec {
 }
 
 impl Manifest {
+    /// Reads `NAME/VERSION/model.toml`; its name and version must be the
+    /// directory's, so a stray copy cannot stand in for another version.
     pub fn read(path: &Path) -> Result<Manifest, LoadError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| LoadError::Io { path: path.to_owned(), source })?;
-        let manifest: Manifest = toml::from_str(&text)
-            .map_err(|e| LoadError::Manifest { path: path.to_owned(), message: e.to_string() })?;
-        manifest.check().map_err(|message| LoadError::Manifest { path: path.to_owned(), message })?;
+        let manifest = Manifest::parse(&text)
+            .map_err(|message| LoadError::Manifest { path: path.to_owned(), message })?;
+        manifest
+            .check_place(path)
+            .map_err(|message| LoadError::Manifest { path: path.to_owned(), message })?;
         Ok(manifest)
+    }
+
+    /// A manifest's text, parsed and checked (all but its place on disk).
+    pub fn parse(text: &str) -> Result<Manifest, String> {
+        let manifest: Manifest = toml::from_str(text).map_err(|e| e.to_string())?;
+        manifest.check()?;
+        Ok(manifest)
+    }
+
+    fn check_place(&self, path: &Path) -> Result<(), String> {
+        let mut dirs = path.parent().into_iter().flat_map(|d| d.iter().rev()).map(|n| n.to_string_lossy());
+        let (version, name) = (dirs.next().unwrap_or_default(), dirs.next().unwrap_or_default());
+        if (name.as_ref(), version.as_ref()) != (self.name.as_str(), self.version.as_str()) {
+            return Err(format!(
+                "name = {:?}, version = {:?}, but it sits in {name}/{version}/; move it to {}/{}/ \
+                 or correct the manifest",
+                self.name, self.version, self.name, self.version
+            ));
+        }
+        Ok(())
     }
 
     fn check(&self) -> Result<(), String> {
@@ -110,6 +134,18 @@ impl Manifest {
                 "name = {:?}: use letters, digits, '.', '_' and '-' (not '.' or '..')",
                 self.name
             ));
+        }
+        let files = std::iter::once(("file", &self.file))
+            .chain(self.golden.as_ref().map(|g| ("golden.file", &g.file)));
+        for (key, file) in files {
+            let plain = !file.is_empty()
+                && Path::new(file).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !plain {
+                return Err(format!(
+                    "{key} = {file:?}: name a file inside the version directory, like \"model.onnx\" \
+                     (no absolute path, no '..')"
+                ));
+            }
         }
         if self.sha256.len() != 64 || !self.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!("sha256 = {:?}: must be 64 hex digits", self.sha256));

@@ -15,6 +15,17 @@ pub struct Refused {
     pub error: LoadError,
 }
 
+impl Refused {
+    /// `NAME vVERSION: reason`, from the directory's last two names: for
+    /// the status, which carries no paths.
+    pub fn summary(&self) -> String {
+        let mut names = self.dir.iter().rev().map(|n| n.to_string_lossy());
+        let version = names.next().unwrap_or_default();
+        let name = names.next().unwrap_or_default();
+        format!("{name} v{version}: {}", self.error.reason())
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Registry {
     /// name -> version -> model, versions in serving order (see `VersionKey`).
@@ -127,6 +138,11 @@ impl Registry {
     pub fn map<T>(&self, f: impl FnMut(&Arc<LoadedModel>) -> T) -> Versions<T> {
         self.models.map(f)
     }
+
+    /// `map` with a step that can fail: the first error ends it.
+    pub fn try_map<T, E>(&self, f: impl FnMut(&Arc<LoadedModel>) -> Result<T, E>) -> Result<Versions<T>, E> {
+        self.models.try_map(f)
+    }
 }
 
 /// Per model name, its versions: the newest is the active one.
@@ -175,6 +191,18 @@ impl<T> Versions<T> {
 
     pub fn all(&self) -> impl Iterator<Item = &T> {
         self.by_name.values().flat_map(|v| v.values())
+    }
+
+    pub fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> Result<U, E>) -> Result<Versions<U>, E> {
+        let mut by_name = BTreeMap::new();
+        for (name, versions) in &self.by_name {
+            let mut mapped = BTreeMap::new();
+            for (k, t) in versions {
+                mapped.insert(k.clone(), f(t)?);
+            }
+            by_name.insert(name.clone(), mapped);
+        }
+        Ok(Versions { by_name })
     }
 
     pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> Versions<U> {

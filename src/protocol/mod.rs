@@ -9,7 +9,7 @@ mod reply;
 mod types;
 
 pub use error::{ErrorCode, ErrorParameters, ErrorReply, InferError};
-pub use reply::{Delivery, FollowUp, ReplyRoute};
+pub use reply::{Delivery, FirstReply, FirstReplyPending, FollowUp, FollowUpTo, ReplyRoute, first_reply};
 pub use types::*;
 
 /// How a payload is encoded; replies use the request's encoding.

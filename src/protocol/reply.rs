@@ -59,3 +59,37 @@ impl Drop for Delivery {
         }
     }
 }
+
+/// Where a later reply goes, and what it waits for: the request's first
+/// reply, so a device never gets the final reply before the provisional one
+/// (a fast cloud answers before the provisional reply has left).
+#[derive(Debug, Clone)]
+pub struct FollowUpTo {
+    pub route: ReplyRoute,
+    pub after: FirstReply,
+}
+
+/// Resolves once the transport handed a request's first reply on.
+#[derive(Debug, Clone)]
+pub struct FirstReply(tokio::sync::watch::Receiver<()>);
+
+/// Held by the transport while a request's first reply is on its way to
+/// it; dropping it says the reply was handed on.
+#[derive(Debug)]
+pub struct FirstReplyPending {
+    _handed_on_when_dropped: tokio::sync::watch::Sender<()>,
+}
+
+/// A pair for one request: the transport keeps the first, the pipeline
+/// passes the second to whatever sends a later reply.
+pub fn first_reply() -> (FirstReplyPending, FirstReply) {
+    let (tx, rx) = tokio::sync::watch::channel(());
+    (FirstReplyPending { _handed_on_when_dropped: tx }, FirstReply(rx))
+}
+
+impl FirstReply {
+    /// Waits until the first reply was handed on (its guard dropped).
+    pub async fn sent(mut self) {
+        while self.0.changed().await.is_ok() {}
+    }
+}

@@ -30,7 +30,18 @@ pub const MQTT_CONNECTED: &str = "edgeinfer_mqtt_connected";
 pub const MQTT_RECONNECTS: &str = "edgeinfer_mqtt_reconnects_total";
 /// Requests dropped because they named nowhere to reply.
 pub const MQTT_NO_REPLY_TOPIC: &str = "edgeinfer_mqtt_no_reply_topic_total";
+/// Requests whose acknowledgement has not left (bounded by `mqtt.max_in_flight`).
+pub const MQTT_UNACKNOWLEDGED: &str = "edgeinfer_mqtt_unacknowledged_requests";
+/// Replies, follow-ups, acknowledgements and the status the outbox holds
+/// until the broker acknowledged them.
+pub const MQTT_OUTBOX: &str = "edgeinfer_mqtt_outbox_publishes";
+/// Requests dropped unanswered for their reply topic, by `reason`: `system`
+/// (`$` topics), `reserved` (under `mqtt.topic_prefix`), `not_allowed`
+/// (outside `mqtt.reply_prefixes`).
+pub const MQTT_REPLY_TOPICS_REFUSED: &str = "edgeinfer_mqtt_reply_topics_refused_total";
 pub const BUILD_INFO: &str = "edgeinfer_build_info";
+/// HTTP connections that had to wait for `http.max_connections`.
+pub const HTTP_CONNECTIONS_WAITED: &str = "edgeinfer_http_connections_waited_total";
 /// Model versions found in the models directory but refused at the last
 /// load or reload (a bad sha256, golden outputs, manifest).
 pub const MODEL_VERSIONS_REFUSED: &str = "edgeinfer_model_versions_refused";
@@ -51,6 +62,9 @@ pub const CACHE_QUARANTINED: &str = "edgeinfer_cache_quarantined_stores_total";
 /// 1 while the disk layer works; an I/O error turns it to 0.
 pub const CACHE_DISK_ENABLED: &str = "edgeinfer_cache_disk_enabled";
 pub const CACHE_DISK_ERRORS: &str = "edgeinfer_cache_disk_errors_total";
+/// Rebuilds of a sled store whose files outgrew their bound, by `store`
+/// (`cache`, `spool`).
+pub const STORE_REBUILDS: &str = "edgeinfer_store_rebuilds_total";
 /// Answers not written to disk because the writer was too far behind.
 pub const CACHE_WRITES_DROPPED: &str = "edgeinfer_cache_writes_dropped_total";
 /// Escalations to the cloud tier, by `model` and `mode` (`sync`, `async`,
@@ -78,6 +92,8 @@ pub const CLOUD_DEGRADED: &str = "edgeinfer_cloud_degraded_total";
 /// The timed stages of the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
+    /// Looking the answer up in the cache (memory, then disk), hit or miss.
+    CacheLookup,
     /// Waiting in the model's queue and batch window.
     Queue,
     Preprocess,
@@ -91,6 +107,7 @@ pub enum Stage {
 impl Stage {
     pub fn as_str(self) -> &'static str {
         match self {
+            Stage::CacheLookup => "cache_lookup",
             Stage::Queue => "queue",
             Stage::Preprocess => "preprocess",
             Stage::Inference => "inference",
@@ -143,7 +160,23 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_gauge!(MQTT_CONNECTED, "1 while the MQTT session is up with subscriptions in place");
     metrics::describe_counter!(MQTT_RECONNECTS, "MQTT connection losses");
     metrics::describe_counter!(MQTT_NO_REPLY_TOPIC, "Requests dropped for naming no reply topic");
+    metrics::describe_gauge!(
+        MQTT_UNACKNOWLEDGED,
+        "Requests whose acknowledgement has not left yet (at most mqtt.max_in_flight)"
+    );
+    metrics::describe_gauge!(
+        MQTT_OUTBOX,
+        "Publishes and acknowledgements the MQTT outbox holds until the broker acknowledged them"
+    );
+    metrics::describe_counter!(
+        MQTT_REPLY_TOPICS_REFUSED,
+        "Requests dropped unanswered for their reply topic, by reason: system ($ topics), reserved (under mqtt.topic_prefix), not_allowed (outside mqtt.reply_prefixes)"
+    );
     metrics::describe_gauge!(BUILD_INFO, "Always 1; labels say what runs");
+    metrics::describe_counter!(
+        HTTP_CONNECTIONS_WAITED,
+        "HTTP connections that waited because http.max_connections were open"
+    );
     metrics::describe_gauge!(MODEL_INFO, "Always 1 per loaded model version");
     metrics::describe_gauge!(RESIDENT_MEMORY, metrics::Unit::Bytes, "Resident set size of the process");
     metrics::describe_counter!(CACHE_LOOKUPS, "Cache lookups, by model and result");
@@ -160,6 +193,10 @@ pub fn install() -> Option<PrometheusHandle> {
     );
     metrics::describe_gauge!(CACHE_DISK_ENABLED, "1 while the disk cache layer works");
     metrics::describe_counter!(CACHE_DISK_ERRORS, "I/O errors that turned the disk cache layer off");
+    metrics::describe_counter!(
+        STORE_REBUILDS,
+        "Rebuilds of a sled store (cache, spool) because its files outgrew twice its byte bound"
+    );
     metrics::describe_counter!(
         CACHE_WRITES_DROPPED,
         "Answers not written to the disk cache because its writer lagged"
@@ -190,9 +227,11 @@ pub fn install() -> Option<PrometheusHandle> {
 }
 
 /// One gauge per loaded model version.
-pub fn describe_models(registry: &crate::model::Registry) {
+/// 1 for every version in `registry`, 0 for those of `previous` (the
+/// registry a reload replaced) that it no longer has.
+pub fn describe_models(previous: Option<&crate::model::Registry>, registry: &crate::model::Registry) {
     metrics::gauge!(MODEL_VERSIONS_REFUSED).set(registry.refused.len() as f64);
-    for m in registry.all() {
+    let info = |m: &crate::model::LoadedModel| {
         metrics::gauge!(
             MODEL_INFO,
             "model" => m.name().to_string(),
@@ -200,7 +239,15 @@ pub fn describe_models(registry: &crate::model::Registry) {
             "sha256" => m.manifest.sha256.clone(),
             "quantization" => m.manifest.quantization.as_str()
         )
-        .set(1.0);
+    };
+    let kept = |m: &crate::model::LoadedModel| {
+        registry.get(m.name(), Some(m.version())).is_ok_and(|k| k.manifest.sha256 == m.manifest.sha256)
+    };
+    for gone in previous.into_iter().flat_map(|p| p.all()).filter(|m| !kept(m)) {
+        info(gone).set(0.0);
+    }
+    for m in registry.all() {
+        info(m).set(1.0);
     }
 }
 
@@ -214,9 +261,18 @@ pub fn render(handle: &PrometheusHandle) -> String {
 }
 
 /// VmRSS from /proc (in kB there, whatever the page size).
-fn resident_bytes() -> Option<u64> {
+pub fn resident_bytes() -> Option<u64> {
+    proc_status_bytes("VmRSS:")
+}
+
+/// The most the process has had resident (VmHWM).
+pub fn peak_resident_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
+fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }

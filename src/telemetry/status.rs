@@ -37,6 +37,12 @@ pub struct Status {
     /// next restart.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub restart_needed: Vec<&'static str>,
+    /// Resident memory now and at its peak, in bytes (absent where /proc
+    /// does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rss_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
 }
 
 /// What changes while a node runs, for a status snapshot.
@@ -57,9 +63,10 @@ pub struct CacheHealth {
     pub memory_entries: u64,
     pub disk_enabled: bool,
     pub disk_entries: u64,
-    /// What went wrong with the disk layer (a store moved aside, an I/O error).
+    /// What went wrong with the disk layer (a store moved aside, an I/O
+    /// error), in a few words without paths: the log has the details.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub problem: Option<String>,
+    pub problem: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -84,6 +91,8 @@ impl Status {
             cloud: None,
             reload_error: None,
             restart_needed: Vec::new(),
+            rss_bytes: None,
+            peak_rss_bytes: None,
             models: models(registry),
         }
     }
@@ -107,6 +116,8 @@ impl Status {
         s.cloud = live.cloud;
         s.reload_error = live.reload_error;
         s.restart_needed = live.restart_needed;
+        s.rss_bytes = super::resident_bytes();
+        s.peak_rss_bytes = super::peak_resident_bytes();
         serde_json::to_vec(&s).expect("status serializes")
     }
 }

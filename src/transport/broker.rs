@@ -19,9 +19,21 @@ pub enum BrokerError {
     NotStarted(SocketAddr),
 }
 
+/// Where the broker takes clients: MQTT 5, and MQTT 3.1.1 when asked for.
+pub struct Listeners {
+    pub v5: SocketAddr,
+    pub v311: Option<SocketAddr>,
+}
+
 /// Starts the broker on its own threads and returns once it accepts
-/// connections. `max_payload` bounds the packets it takes from clients.
-pub fn start(v5: SocketAddr, v311: Option<SocketAddr>, max_payload: usize) -> Result<(), BrokerError> {
+/// connections. `login` (user, password), when given, is required of every
+/// client; `max_packet` bounds the packets it takes from clients.
+pub fn start(
+    listeners: Listeners,
+    login: Option<(String, String)>,
+    max_packet: usize,
+) -> Result<(), BrokerError> {
+    let Listeners { v5, v311 } = listeners;
     // rumqttd only logs a failed bind from its own thread; check first so the
     // operator gets the error.
     for addr in std::iter::once(v5).chain(v311) {
@@ -34,9 +46,9 @@ pub fn start(v5: SocketAddr, v311: Option<SocketAddr>, max_payload: usize) -> Re
         next_connection_delay_ms: 1,
         connections: ConnectionSettings {
             connection_timeout_ms: 60_000,
-            max_payload_size: max_payload,
+            max_payload_size: max_packet,
             max_inflight_count: 1024,
-            auth: None,
+            auth: login.clone().map(|pair| HashMap::from([pair])),
             external_auth: None,
             dynamic_filters: true,
         },
@@ -44,7 +56,7 @@ pub fn start(v5: SocketAddr, v311: Option<SocketAddr>, max_payload: usize) -> Re
     let config = Config {
         id: 0,
         router: RouterConfig {
-            max_connections: 10_010,
+            max_connections: crate::config::EMBEDDED_BROKER_MAX_CONNECTIONS,
             max_outgoing_packet_count: 1024,
             max_segment_size: 100 * 1024 * 1024,
             max_segment_count: 10,

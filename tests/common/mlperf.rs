@@ -81,7 +81,7 @@ pub fn load(dir: &std::path::Path, key: &str, variant: &str, batch_sizes: Vec<us
             .join(", ")
     };
     let manifest = format!(
-        "name = \"{name}\"\nversion = \"1\"\nfile = {file:?}\nsha256 = \"{}\"\ntask = \"raw\"\n\
+        "name = \"{name}\"\nversion = \"1\"\nfile = \"model.onnx\"\nsha256 = \"{}\"\ntask = \"raw\"\n\
          quantization = \"{}\"\nproduced_by = \"MLPerf Tiny reference, ../shared/mlperf-tiny\"\n\
          [input]\nname = {input_name:?}\ndatatype = \"{dt}\"\nshape = [{}]\n\
          [[outputs]]\nname = {output_name:?}\ndatatype = \"{dt}\"\nshape = [{}]\n",
@@ -93,6 +93,9 @@ pub fn load(dir: &std::path::Path, key: &str, variant: &str, batch_sizes: Vec<us
     let tmp = tempfile::tempdir().unwrap();
     let version_dir = tmp.path().join(&name).join("1");
     std::fs::create_dir_all(&version_dir).unwrap();
+    // A manifest names a file inside its version directory: link the
+    // shared model there (it is read, never copied into the repository).
+    std::os::unix::fs::symlink(std::path::absolute(&file).unwrap(), version_dir.join("model.onnx")).unwrap();
     std::fs::write(version_dir.join("model.toml"), manifest).unwrap();
     let model = LoadedModel::load(&version_dir, &RuntimeOptions { batch_sizes, defer: false })
         .unwrap_or_else(|e| panic!("{name}: {e}"));

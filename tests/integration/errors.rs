@@ -150,7 +150,7 @@ fn unknown_model() {
 
 #[test]
 fn too_large() {
-    let limits = LimitsConfig { max_payload_bytes: 4096, max_rows: 4 };
+    let limits = LimitsConfig { max_payload_bytes: 4096, max_rows: 4, ..LimitsConfig::default() };
     let e = engine(EngineOptions { limits, ..Default::default() });
     let rows: Vec<Vec<f64>> = heldout().iter().take(100).map(|(_, px)| px.clone()).collect();
     let big = digits_request("big", &rows).to_string();

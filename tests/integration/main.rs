@@ -4,6 +4,7 @@ mod architecture;
 mod cli;
 mod errors;
 mod fleet;
+mod fuzz;
 mod mlperf;
 mod models;
 mod mqtt;

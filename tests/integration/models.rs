@@ -190,3 +190,32 @@ fn tampered_file_and_wrong_golden_outputs_are_refused_while_a_good_model_loads()
     let err = registry.get("bad-sha", None).unwrap_err();
     assert_eq!(err.code, edgeinfer::protocol::ErrorCode::UnknownModel);
 }
+
+#[test]
+fn manifests_that_point_outside_their_directory_or_sit_in_another_versions_place_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shipped = models_dir().join("digits/1");
+    copy_version(&shipped, &tmp.path().join("digits/1"), "digits");
+    let edit = |dir: &str, name: &str, from: &str, to: &str| {
+        let dir = tmp.path().join(dir);
+        copy_version(&shipped, &dir, name);
+        let manifest = std::fs::read_to_string(dir.join("model.toml")).unwrap();
+        assert!(manifest.contains(from), "{from} in the shipped manifest");
+        std::fs::write(dir.join("model.toml"), manifest.replace(from, to)).unwrap();
+    };
+    let onnx = shipped.join("model.onnx").display().to_string();
+    edit("absolute/1", "absolute", "file = \"model.onnx\"", &format!("file = {onnx:?}"));
+    edit("dotdot/1", "dotdot", "file = \"golden.json\"", "file = \"../../digits/1/golden.json\"");
+    // A copy of version 1 dropped in as version 7: it must not serve as 7.
+    copy_version(&shipped, &tmp.path().join("digits/7"), "digits");
+    edit("renamed/1", "digits", "name = \"digits\"", "name = \"digits\"");
+
+    let registry = Registry::load(tmp.path(), &RuntimeOptions::default()).unwrap();
+    assert_eq!(registry.versions("digits"), vec!["1".to_string()], "only the version in its own place");
+    let refused: Vec<String> = registry.refused.iter().map(|r| r.error.to_string()).collect();
+    assert_eq!(refused.len(), 4, "{refused:#?}");
+    let says = |needle: &str| refused.iter().filter(|r| r.contains(needle)).count();
+    assert_eq!(says("no absolute path, no '..'"), 2, "{refused:#?}");
+    assert_eq!(says("but it sits in"), 2, "{refused:#?}");
+    assert!(refused.iter().any(|r| r.contains("sits in digits/7/") && r.contains("move it to digits/1/")));
+}

@@ -5,6 +5,11 @@
 //! a slow disk never holds up a reply. Each record carries a checksum over
 //! its key and contents: a record torn by a crash, or damaged on disk, is
 //! detected on read, deleted and counted, never served.
+//!
+//! An I/O error (a full disk, a failing card) turns the layer off instead
+//! of failing requests. sled keeps such an error for the life of the store,
+//! so the writer reopens it, with backoff, until a probe write succeeds:
+//! then the layer is back on its own.
 
 use super::key::Key;
 use crate::telemetry;
@@ -14,7 +19,7 @@ use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// Writes waiting for the writer; beyond it new entries are dropped (the
@@ -24,6 +29,10 @@ const QUEUE: usize = 4096;
 const PAGE_CACHE_BYTES: u64 = 8 * 1024 * 1024;
 const ORDER_TREE: &[u8] = b"order";
 const MODEL_TREE_PREFIX: &str = "m:";
+/// Probes of a layer turned off by an error: the first after this, then
+/// twice as long each time, up to `PROBE_MAX`.
+const PROBE_FIRST: Duration = Duration::from_secs(1);
+const PROBE_MAX: Duration = Duration::from_secs(30);
 
 /// One stored answer, postcard-encoded as the sled value.
 #[derive(Debug, Serialize, Deserialize)]
@@ -71,15 +80,29 @@ pub struct DiskStats {
     /// What sled's files take, garbage included.
     pub size_on_disk: u64,
     pub path: PathBuf,
-    /// Why the layer is off, or what happened when it was opened.
+    /// Why the layer is off, or what happened when it was opened, with the
+    /// details (`cache stats`, answered on loopback only).
     pub problem: Option<String>,
+    /// The same in a few words and no paths, for the retained status.
+    #[serde(skip)]
+    pub reason: Option<&'static str>,
+}
+
+/// What went wrong: a short reason for the status, the details for the
+/// log and `cache stats`.
+#[derive(Debug, Clone)]
+struct Problem {
+    reason: &'static str,
+    detail: String,
 }
 
 struct Shared {
     enabled: AtomicBool,
     entries: AtomicU64,
     bytes: AtomicU64,
-    problem: Mutex<Option<String>>,
+    problem: Mutex<Option<Problem>>,
+    /// The store; `None` only while the writer reopens it.
+    db: RwLock<Option<sled::Db>>,
 }
 
 impl Shared {
@@ -89,17 +112,40 @@ impl Shared {
         let _ = self.bytes.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_sub(n)));
     }
 
-    /// Turns the layer off for the rest of the process: serving goes on from
-    /// memory and the model.
-    fn disable(&self, why: String) {
+    /// Turns the layer off until the writer's probe finds the store
+    /// writable again: serving goes on from memory and the model.
+    fn disable(&self, reason: &'static str, detail: String) {
         if self.enabled.swap(false, Ordering::SeqCst) {
-            tracing::error!("disk cache disabled: {why}; serving continues without it");
+            tracing::error!(
+                "disk cache disabled: {detail}; serving continues without it, and the store is probed until it works again"
+            );
             metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(0.0);
             metrics::counter!(telemetry::CACHE_DISK_ERRORS).increment(1);
         }
-        *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+        self.set_problem(Some(Problem { reason, detail }));
+    }
+
+    fn set_problem(&self, problem: Option<Problem>) {
+        *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = problem;
+    }
+
+    fn problem(&self) -> Option<Problem> {
+        self.problem.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The store as it is now (a cheap handle), if the layer is on.
+    fn db(&self) -> Option<sled::Db> {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.db.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
+
+/// A writer-side sled error, as the status words it.
+const WRITE_FAILED: &str =
+    "writing to the disk failed (full, or failing); the disk layer is off until a probe write succeeds";
+const READ_FAILED: &str = "reading from the disk failed; the disk layer is off until a probe write succeeds";
 
 /// Why the disk layer could not be had, or could not do what was asked.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -120,15 +166,44 @@ pub enum DiskError {
     Store(String),
 }
 
+impl DiskError {
+    /// A few words and no paths, for the retained status (the log and
+    /// `cache stats` have the rest).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DiskError::Locked(_) => "the store is in use by another process",
+            DiskError::Broken { .. } | DiskError::NotMovedAside { .. } => "the store cannot be opened",
+            DiskError::Create { .. } => "the store's directory cannot be created",
+            DiskError::Thread(_) => "the cache writer thread cannot start",
+            DiskError::WriterStopped => "the cache writer has stopped",
+            DiskError::Store(_) => "the store failed",
+        }
+    }
+}
+
 enum Op {
-    Put { model: String, key: Key, stored_at_ms: u64, expires_at_ms: u64, body: Vec<u8> },
-    Remove { model: String, key: Key },
-    Purge { model: Option<String>, done: tokio::sync::oneshot::Sender<Result<u64, DiskError>> },
+    Put {
+        model: String,
+        key: Key,
+        stored_at_ms: u64,
+        expires_at_ms: u64,
+        body: Vec<u8>,
+    },
+    Remove {
+        model: String,
+        key: Key,
+    },
+    Purge {
+        model: Option<String>,
+        done: tokio::sync::oneshot::Sender<Result<u64, DiskError>>,
+    },
     Flush(tokio::sync::oneshot::Sender<()>),
+    /// Nothing to do but look again when to probe (a reader turned the
+    /// layer off).
+    Wake,
 }
 
 pub struct Disk {
-    db: sled::Db,
     path: PathBuf,
     capacity: u64,
     shared: Arc<Shared>,
@@ -151,11 +226,12 @@ impl Disk {
                     aside: aside.clone(),
                     reason: r.to_string(),
                 })?;
-                let why =
+                let detail =
                     format!("{broken}; moved it aside to {} and started a fresh store", aside.display());
-                tracing::error!("cache store {}: {why}", path.display());
+                tracing::error!("cache store {}: {detail}", path.display());
                 metrics::counter!(telemetry::CACHE_QUARANTINED).increment(1);
-                problem = Some(why);
+                let reason = "the store could not be opened; moved it aside and started a fresh one";
+                problem = Some(Problem { reason, detail });
                 open_db(path)?
             }
         };
@@ -164,15 +240,17 @@ impl Disk {
             entries: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             problem: Mutex::new(problem),
+            db: RwLock::new(Some(db.clone())),
         });
         metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
         let (ops, rx) = std::sync::mpsc::sync_channel(QUEUE);
-        let writer = Writer { db: db.clone(), capacity, shared: shared.clone(), seq: 0 };
+        let writer =
+            Writer { db: Some(db), path: path.to_path_buf(), capacity, shared: shared.clone(), seq: 0 };
         std::thread::Builder::new()
             .name("cache-writer".into())
             .spawn(move || writer.run(rx, sweep))
             .map_err(|e| DiskError::Thread(e.to_string()))?;
-        Ok(Disk { db, path: path.to_path_buf(), capacity, shared, ops })
+        Ok(Disk { path: path.to_path_buf(), capacity, shared, ops })
     }
 
     pub fn enabled(&self) -> bool {
@@ -182,20 +260,20 @@ impl Disk {
     /// The live record under `key`; a damaged one is deleted, counted and
     /// reported as a miss.
     pub fn get(&self, model: &str, key: &Key, now_ms: u64) -> Read {
-        if !self.enabled() {
-            return Read::Miss;
-        }
+        let Some(db) = self.shared.db() else { return Read::Miss };
         let tree = tree_name(model);
-        let got = std::panic::catch_unwind(AssertUnwindSafe(|| self.db.open_tree(&tree)?.get(key.0)));
+        let got = std::panic::catch_unwind(AssertUnwindSafe(|| db.open_tree(&tree)?.get(key.0)));
         let bytes = match got {
             Ok(Ok(Some(bytes))) => bytes,
             Ok(Ok(None)) => return Read::Miss,
             Ok(Err(e)) => {
-                self.shared.disable(format!("reading {}: {e}", self.path.display()));
+                self.shared.disable(READ_FAILED, format!("reading {}: {e}", self.path.display()));
+                self.send(Op::Wake);
                 return Read::Miss;
             }
             Err(_) => {
-                self.shared.disable(format!("reading {}: sled panicked", self.path.display()));
+                self.shared.disable(READ_FAILED, format!("reading {}: sled panicked", self.path.display()));
+                self.send(Op::Wake);
                 return Read::Miss;
             }
         };
@@ -235,14 +313,16 @@ impl Disk {
     }
 
     pub fn stats(&self) -> DiskStats {
+        let problem = self.shared.problem();
         DiskStats {
             enabled: self.enabled(),
             entries: self.shared.entries.load(Ordering::Relaxed),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
             capacity_bytes: self.capacity,
-            size_on_disk: self.db.size_on_disk().unwrap_or(0),
+            size_on_disk: self.shared.db().and_then(|db| db.size_on_disk().ok()).unwrap_or(0),
             path: self.path.clone(),
-            problem: self.shared.problem.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            reason: problem.as_ref().map(|p| p.reason),
+            problem: problem.map(|p| p.detail),
         }
     }
 
@@ -253,8 +333,13 @@ impl Disk {
     }
 }
 
+fn db_config(path: &Path) -> sled::Config {
+    sled::Config::new().path(path).cache_capacity(PAGE_CACHE_BYTES).mode(sled::Mode::LowSpace)
+}
+
 fn open_db(path: &Path) -> Result<sled::Db, DiskError> {
-    let config = sled::Config::new().path(path).cache_capacity(PAGE_CACHE_BYTES).mode(sled::Mode::LowSpace);
+    crate::store::recover(path);
+    let config = db_config(path);
     let broken = |reason: String| DiskError::Broken { path: path.to_path_buf(), reason };
     // sled can panic on some kinds of damage rather than return an error.
     match std::panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
@@ -291,7 +376,9 @@ fn footprint(tree: &[u8], record_len: usize) -> u64 {
 
 /// The one owner of every write to the store.
 struct Writer {
-    db: sled::Db,
+    /// `None` only while a reopen after an error is under way.
+    db: Option<sled::Db>,
+    path: PathBuf,
     capacity: u64,
     shared: Arc<Shared>,
     seq: u64,
@@ -300,19 +387,36 @@ struct Writer {
 impl Writer {
     fn run(mut self, rx: Receiver<Op>, sweep: Duration) {
         if let Err(e) = self.count() {
-            self.shared.disable(format!("scanning the store: {e}"));
+            self.shared.disable(READ_FAILED, format!("scanning the store: {e}"));
         }
         let mut next_sweep = Instant::now() + sweep;
+        let mut probe = Probe::default();
         loop {
-            let op = match rx.recv_timeout(next_sweep.saturating_duration_since(Instant::now())) {
+            let wake = probe.due(self.live()).map_or(next_sweep, |at| at.min(next_sweep));
+            let op = match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                 Ok(op) => op,
+                Err(RecvTimeoutError::Timeout)
+                    if probe.due(self.live()).is_some_and(|at| at <= Instant::now()) =>
+                {
+                    match self.reopen() {
+                        Ok(()) => probe = Probe::default(),
+                        Err(e) => {
+                            tracing::debug!("disk cache probe: {e}");
+                            probe.failed();
+                        }
+                    }
+                    continue;
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     next_sweep = Instant::now() + sweep;
                     self.guard("sweeping expired entries", |w| w.sweep(crate::telemetry::unix_now_ms()));
+                    self.rebuild_if_grown();
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    let _ = self.db.flush();
+                    if let Some(db) = &self.db {
+                        let _ = db.flush();
+                    }
                     return;
                 }
             };
@@ -326,19 +430,124 @@ impl Writer {
                     let _ = done.send(result);
                 }
                 Op::Flush(done) => {
-                    if self.live()
-                        && let Err(e) = self.db.flush()
-                    {
-                        self.shared.disable(format!("flushing: {e}"));
-                    }
+                    self.guard("flushing", |w| w.db()?.flush().map(drop));
                     let _ = done.send(());
                 }
+                Op::Wake => {}
             }
         }
     }
 
     fn live(&self) -> bool {
         self.shared.enabled.load(Ordering::Relaxed)
+    }
+
+    /// sled's files outgrew `store::disk_bound` of the entries' bound
+    /// (it reclaims removed records lazily): rebuild the store. Reads miss
+    /// meanwhile and writes wait in the queue.
+    fn rebuild_if_grown(&mut self) {
+        let Some(old) = self.db.as_ref().filter(|_| self.live()) else { return };
+        let on_disk = old.size_on_disk().unwrap_or(0);
+        if on_disk <= crate::store::disk_bound(self.capacity) {
+            return;
+        }
+        *self.shared.db.write().unwrap_or_else(|e| e.into_inner()) = None;
+        let old = self.db.take().expect("checked");
+        let copy = |old: &sled::Db, fresh: &sled::Db| -> sled::Result<()> {
+            for name in old.tree_names() {
+                let (from, to) = (old.open_tree(&name)?, fresh.open_tree(&name)?);
+                for item in from.iter() {
+                    let (k, v) = item?;
+                    to.insert(k, v)?;
+                }
+            }
+            Ok(())
+        };
+        let rebuilt = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            crate::store::rebuild(&self.path, old, db_config, copy)
+        }));
+        let db = match rebuilt {
+            Ok(Ok(db)) => {
+                let now = db.size_on_disk().unwrap_or(0);
+                tracing::info!("disk cache store rebuilt: its files took {on_disk} bytes, now {now}");
+                metrics::counter!(telemetry::STORE_REBUILDS, "store" => "cache").increment(1);
+                Some(db)
+            }
+            Ok(Err(not)) => {
+                tracing::warn!("disk cache store not rebuilt: {}", not.why);
+                not.db
+            }
+            Err(_) => None,
+        };
+        match db {
+            Some(db) => {
+                self.db = Some(db.clone());
+                *self.shared.db.write().unwrap_or_else(|e| e.into_inner()) = Some(db);
+                if let Err(e) = self.count() {
+                    self.shared.disable(READ_FAILED, format!("scanning the rebuilt store: {e}"));
+                }
+            }
+            // The probe reopens it.
+            None => self.shared.disable(WRITE_FAILED, "rebuilding the store failed".into()),
+        }
+    }
+
+    fn db(&self) -> sled::Result<&sled::Db> {
+        self.db.as_ref().ok_or_else(|| sled::Error::Unsupported("the disk cache is being reopened".into()))
+    }
+
+    /// After an error: lets go of the store (sled keeps an I/O error for
+    /// the life of a store), opens it again, and turns the layer back on
+    /// once a probe write reaches the disk.
+    fn reopen(&mut self) -> Result<(), String> {
+        *self.shared.db.write().unwrap_or_else(|e| e.into_inner()) = None;
+        self.db = None;
+        // sled's flusher thread lets go of the file lock shortly after the
+        // last handle is dropped.
+        let mut attempts = 0;
+        let db = loop {
+            match open_db(&self.path) {
+                Ok(db) => break db,
+                Err(DiskError::Locked(_)) if attempts < 40 => {
+                    attempts += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                // Damaged (as at start): moved aside, and a fresh one made.
+                Err(broken @ DiskError::Broken { .. }) if attempts < 40 => {
+                    attempts = 40;
+                    let aside = quarantine_path(&self.path);
+                    std::fs::rename(&self.path, &aside)
+                        .map_err(|e| format!("{broken}; moving it aside: {e}"))?;
+                    tracing::error!(
+                        "cache store {}: {broken}; moved it aside to {}",
+                        self.path.display(),
+                        aside.display()
+                    );
+                    metrics::counter!(telemetry::CACHE_QUARANTINED).increment(1);
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        };
+        let probe = std::panic::catch_unwind(AssertUnwindSafe(|| -> sled::Result<()> {
+            db.insert(b"probe", vec![0u8; 4096])?;
+            db.flush()?;
+            db.remove(b"probe")?;
+            db.flush()?;
+            Ok(())
+        }));
+        match probe {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("probe write: {e}")),
+            Err(_) => return Err("probe write: sled panicked".into()),
+        }
+        self.db = Some(db.clone());
+        *self.shared.db.write().unwrap_or_else(|e| e.into_inner()) = Some(db);
+        self.count().map_err(|e| format!("scanning the store: {e}"))?;
+        self.shared.set_problem(None);
+        self.shared.enabled.store(true, Ordering::SeqCst);
+        metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
+        tracing::info!("disk cache re-enabled: {} is writable again", self.path.display());
+        Ok(())
     }
 
     /// Runs a write; an I/O error (a full disk, a failing card) turns the
@@ -349,8 +558,8 @@ impl Writer {
         }
         match std::panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => self.shared.disable(format!("{what}: {e}")),
-            Err(_) => self.shared.disable(format!("{what}: sled panicked")),
+            Ok(Err(e)) => self.shared.disable(WRITE_FAILED, format!("{what}: {e}")),
+            Err(_) => self.shared.disable(WRITE_FAILED, format!("{what}: sled panicked")),
         }
         self.publish();
     }
@@ -362,8 +571,9 @@ impl Writer {
             .set(self.shared.bytes.load(Ordering::Relaxed) as f64);
     }
 
-    fn model_trees(&self) -> Vec<sled::IVec> {
-        self.db.tree_names().into_iter().filter(|n| n.starts_with(MODEL_TREE_PREFIX.as_bytes())).collect()
+    fn model_trees(&self) -> sled::Result<Vec<sled::IVec>> {
+        let names = self.db()?.tree_names();
+        Ok(names.into_iter().filter(|n| n.starts_with(MODEL_TREE_PREFIX.as_bytes())).collect())
     }
 
     /// Visits every record of every model tree: the tree's name, the tree,
@@ -372,8 +582,8 @@ impl Writer {
         &self,
         mut visit: impl FnMut(&sled::IVec, &sled::Tree, Key, &sled::IVec, Option<Record>) -> sled::Result<()>,
     ) -> sled::Result<()> {
-        for name in self.model_trees() {
-            let tree = self.db.open_tree(&name)?;
+        for name in self.model_trees()? {
+            let tree = self.db()?.open_tree(&name)?;
             for item in tree.iter() {
                 let (k, v) = item?;
                 let key = Key(k.as_ref().try_into().unwrap_or([0; 32]));
@@ -417,7 +627,7 @@ impl Writer {
         body: Vec<u8>,
     ) -> sled::Result<()> {
         let name = tree_name(model);
-        let tree = self.db.open_tree(&name)?;
+        let tree = self.db()?.open_tree(&name)?;
         let seq = self.seq;
         self.seq += 1;
         let checksum = Record::checksum(key, stored_at_ms, expires_at_ms, &body);
@@ -432,7 +642,7 @@ impl Writer {
         self.evict(size)?;
         let mut order_value = name.as_bytes().to_vec();
         order_value.extend_from_slice(&key.0);
-        self.db.open_tree(ORDER_TREE)?.insert(seq.to_be_bytes(), order_value)?;
+        self.db()?.open_tree(ORDER_TREE)?.insert(seq.to_be_bytes(), order_value)?;
         match tree.insert(key.0, bytes)? {
             Some(old) => self.forget(name.as_bytes(), key, &old)?,
             None => {
@@ -447,14 +657,14 @@ impl Writer {
     fn forget(&self, tree: &[u8], key: &Key, old: &[u8]) -> sled::Result<()> {
         self.shared.sub_bytes(footprint(tree, old.len()));
         if let Some(r) = Record::decode(key, old) {
-            self.db.open_tree(ORDER_TREE)?.remove(r.seq.to_be_bytes())?;
+            self.db()?.open_tree(ORDER_TREE)?.remove(r.seq.to_be_bytes())?;
         }
         Ok(())
     }
 
     fn remove(&mut self, model: &str, key: &Key) -> sled::Result<()> {
         let name = tree_name(model);
-        if let Some(old) = self.db.open_tree(&name)?.remove(key.0)? {
+        if let Some(old) = self.db()?.open_tree(&name)?.remove(key.0)? {
             self.forget(name.as_bytes(), key, &old)?;
             self.shared.entries.fetch_sub(1, Ordering::Relaxed);
         }
@@ -463,7 +673,7 @@ impl Writer {
 
     /// Drops the oldest entries until `incoming` more bytes fit the bound.
     fn evict(&mut self, incoming: u64) -> sled::Result<()> {
-        let order = self.db.open_tree(ORDER_TREE)?;
+        let order = self.db()?.open_tree(ORDER_TREE)?;
         while self.shared.bytes.load(Ordering::Relaxed) + incoming > self.capacity {
             let Some((_, place)) = order.pop_min()? else { break };
             if place.len() < 32 {
@@ -471,7 +681,7 @@ impl Writer {
             }
             let (tree, key) = place.split_at(place.len() - 32);
             let key = Key(key.try_into().expect("32 bytes"));
-            let t = self.db.open_tree(tree)?;
+            let t = self.db()?.open_tree(tree)?;
             if let Some(old) = t.remove(key.0)? {
                 self.shared.sub_bytes(footprint(tree, old.len()));
                 self.shared.entries.fetch_sub(1, Ordering::Relaxed);
@@ -494,7 +704,7 @@ impl Writer {
             Ok(())
         })?;
         for (name, key) in gone {
-            if let Some(old) = self.db.open_tree(&name)?.remove(key.0)? {
+            if let Some(old) = self.db()?.open_tree(&name)?.remove(key.0)? {
                 self.forget(&name, &key, &old)?;
                 self.shared.entries.fetch_sub(1, Ordering::Relaxed);
             }
@@ -506,23 +716,65 @@ impl Writer {
         if !self.live() {
             return Err(sled::Error::Unsupported("the disk cache is disabled".into()));
         }
-        let names: Vec<sled::IVec> = match model {
-            Some(m) => vec![tree_name(m).into_bytes().into()],
-            None => self.model_trees(),
-        };
+        // Only trees that exist: a purge of a name never stored creates none.
+        let names: Vec<sled::IVec> = self
+            .model_trees()?
+            .into_iter()
+            .filter(|n| model.is_none_or(|m| n.as_ref() == tree_name(m).as_bytes()))
+            .collect();
         let mut removed = 0;
         for name in &names {
-            let tree = self.db.open_tree(name)?;
+            let tree = self.db()?.open_tree(name)?;
             removed += tree.len() as u64;
             tree.clear()?;
+            if model.is_some() {
+                self.db()?.drop_tree(name)?;
+            }
         }
-        // Order records of purged entries are skipped when they come up.
-        if model.is_none() {
-            self.db.open_tree(ORDER_TREE)?.clear()?;
+        let order = self.db()?.open_tree(ORDER_TREE)?;
+        match model {
+            None => order.clear()?,
+            // The purged entries' places in the eviction order go too.
+            Some(m) => {
+                let tree = tree_name(m);
+                for item in order.iter() {
+                    let (seq, place) = item?;
+                    if place.len() == tree.len() + 32 && place.starts_with(tree.as_bytes()) {
+                        order.remove(seq)?;
+                    }
+                }
+            }
         }
         self.count()?;
-        self.db.flush()?;
+        self.db()?.flush()?;
         Ok(removed)
+    }
+}
+
+/// When the writer next tries to reopen a store turned off by an error.
+struct Probe {
+    wait: Duration,
+    at: Option<Instant>,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Probe { wait: PROBE_FIRST, at: None }
+    }
+}
+
+impl Probe {
+    /// The next probe while the layer is off (scheduled on first ask).
+    fn due(&mut self, live: bool) -> Option<Instant> {
+        if live {
+            return None;
+        }
+        Some(*self.at.get_or_insert_with(|| Instant::now() + self.wait))
+    }
+
+    fn failed(&mut self) {
+        self.wait = (self.wait * 2).min(PROBE_MAX);
+        self.at = Some(Instant::now() + self.wait);
     }
 }
 
@@ -556,7 +808,7 @@ mod tests {
         rt().block_on(disk.flush());
         assert!(matches!(disk.get("m", &key(1), 20), Read::Hit { .. }));
         // Flip one byte of the stored record, as a torn write or a bad card would.
-        let tree = disk.db.open_tree(tree_name("m")).unwrap();
+        let tree = disk.shared.db().unwrap().open_tree(tree_name("m")).unwrap();
         let mut bytes = tree.get(key(1).0).unwrap().unwrap().to_vec();
         let last = bytes.len() - 1;
         bytes[last] ^= 0x40;
@@ -599,6 +851,32 @@ mod tests {
     }
 
     #[test]
+    fn a_store_whose_files_outgrow_their_bound_under_churn_is_rebuilt() {
+        let dir = tempfile::tempdir().unwrap();
+        let capacity = 64 * 1024;
+        let disk = Disk::open(&dir.path().join("cache"), capacity, Duration::from_millis(100)).unwrap();
+        let big = |i: u32| format!("answer {i}").into_bytes().repeat(200);
+        let mut peak = 0;
+        for i in 0..6000 {
+            disk.put("m", key(i), 10, u64::MAX, big(i));
+            if i % 500 == 499 {
+                rt().block_on(disk.flush());
+                peak = peak.max(disk.stats().size_on_disk);
+            }
+        }
+        rt().block_on(disk.flush());
+        std::thread::sleep(Duration::from_millis(500));
+        rt().block_on(disk.flush());
+        let stats = disk.stats();
+        let bound = crate::store::disk_bound(capacity);
+        eprintln!("files at most {peak} bytes under churn, {} after; bound {bound}", stats.size_on_disk);
+        assert!(peak > bound, "the churn grew the files past the bound ({peak} <= {bound})");
+        assert!(stats.size_on_disk <= bound, "{stats:?}");
+        assert!(stats.bytes <= capacity && stats.entries > 0, "{stats:?}");
+        assert!(matches!(disk.get("m", &key(5999), 20), Read::Hit { .. }), "the newest entry survived");
+    }
+
+    #[test]
     fn counts_survive_a_reopen_and_purge_by_model_leaves_the_others() {
         let dir = tempfile::tempdir().unwrap();
         {
@@ -618,6 +896,14 @@ mod tests {
         let after = disk.stats();
         assert_eq!(after.entries, 5);
         assert!(after.bytes < before.bytes);
+        // Nothing of "a" is left behind, and purging a name never stored
+        // creates nothing.
+        let db = disk.shared.db().unwrap();
+        let order = db.open_tree(ORDER_TREE).unwrap();
+        assert_eq!(order.len(), 5, "only b's places in the eviction order are left");
+        assert_eq!(rt().block_on(disk.purge(Some("never-stored"))), Ok(0));
+        let trees: Vec<_> = db.tree_names().into_iter().filter(|n| n.starts_with(b"m:")).collect();
+        assert_eq!(trees, vec![sled::IVec::from(tree_name("b").as_bytes())]);
         assert!(matches!(disk.get("b", &key(1), 20), Read::Hit { .. }));
         assert!(matches!(disk.get("a", &key(0), 20), Read::Miss));
     }

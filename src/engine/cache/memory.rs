@@ -11,6 +11,9 @@ use std::sync::Arc;
 /// A cached answer, shared by the layers and every request it serves.
 #[derive(Debug)]
 pub struct Entry {
+    /// The model the request named (a purge by model removes its entries;
+    /// a cloud answer's `model_name` is the cloud's model).
+    pub(super) model: Arc<str>,
     /// The reply with an empty `id`.
     pub(super) response: InferResponse,
     pub(super) expires_at_ms: u64,
@@ -134,7 +137,7 @@ mod tests {
             outputs: vec![],
             parameters: Default::default(),
         };
-        Arc::new(Entry { response, expires_at_ms, weight: 100 })
+        Arc::new(Entry { model: "m".into(), response, expires_at_ms, weight: 100 })
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -163,7 +163,14 @@ impl Cache {
             Some(tier) => key.for_tier(tier),
             None => key,
         };
-        self.lookup(model.name(), key, ttl).await
+        let started = std::time::Instant::now();
+        let found = self.lookup(model.name(), key, ttl).await;
+        telemetry::observe_stage(
+            model.name(),
+            telemetry::Stage::CacheLookup,
+            started.elapsed().as_secs_f64(),
+        );
+        found
     }
 
     /// Memory, then disk, by key; on a miss, the ticket to compute the answer.
@@ -180,6 +187,7 @@ impl Cache {
             && let Ok(wire) = postcard::from_bytes::<WireResponse>(&body)
         {
             let entry = Arc::new(Entry {
+                model: model.into(),
                 response: InferResponse::from(wire),
                 expires_at_ms,
                 weight: body.len() as u64 + ENTRY_OVERHEAD,
@@ -216,7 +224,12 @@ impl Cache {
         let stored_at_ms = telemetry::unix_now_ms();
         let expires_at_ms = stored_at_ms.saturating_add(ticket.ttl.as_millis() as u64);
         let weight = body.len() as u64 + ENTRY_OVERHEAD;
-        ticket.flight.fill(Arc::new(Entry { response, expires_at_ms, weight }));
+        ticket.flight.fill(Arc::new(Entry {
+            model: ticket.model.as_str().into(),
+            response,
+            expires_at_ms,
+            weight,
+        }));
         self.publish_memory();
         if let Some(disk) = &self.disk {
             disk.put(&ticket.model, ticket.key, stored_at_ms, expires_at_ms, body);
@@ -227,7 +240,7 @@ impl Cache {
     /// answers how many disk entries went.
     pub async fn purge(&self, model: Option<&str>) -> Result<u64, DiskError> {
         match model {
-            Some(m) => self.memory.retain(|e| e.response.model_name != m),
+            Some(m) => self.memory.retain(|e| &*e.model != m),
             None => self.memory.clear(),
         }
         self.publish_memory();
@@ -261,7 +274,7 @@ impl Cache {
             memory_entries: self.memory.entries() as u64,
             disk_enabled: disk.as_ref().is_some_and(|d| d.enabled),
             disk_entries: disk.as_ref().map(|d| d.entries).unwrap_or(0),
-            problem: disk.and_then(|d| d.problem).or_else(|| self.disk_error.as_ref().map(|e| e.to_string())),
+            problem: disk.and_then(|d| d.reason).or_else(|| self.disk_error.as_ref().map(DiskError::reason)),
         }
     }
 
@@ -274,4 +287,31 @@ impl Cache {
 fn count(model: &str, result: &'static str) {
     metrics::counter!(telemetry::CACHE_LOOKUPS, "model" => model.to_string(), "result" => result)
         .increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_purge_by_model_removes_the_cloud_answers_kept_for_it_too() {
+        let cache = Cache::open(CacheOptions {
+            enabled: true,
+            memory_bytes: 1 << 20,
+            disk_bytes: 0,
+            dir: PathBuf::new(),
+            default_ttl: Duration::from_secs(60),
+            model_ttl: HashMap::new(),
+            sweep_interval: Duration::from_secs(60),
+        });
+        let ttl = Duration::from_secs(60);
+        // An escalated `digits` request answered by the cloud's `digits-large`.
+        let Lookup::Miss(ticket) = cache.lookup("digits", Key([7; 32]), ttl).await else { panic!() };
+        let cloud: InferResponse =
+            serde_json::from_str(r#"{"model_name": "digits-large", "outputs": []}"#).unwrap();
+        cache.store(Some(ticket), &cloud);
+        assert!(matches!(cache.lookup("digits", Key([7; 32]), ttl).await, Lookup::Hit(_)));
+        cache.purge(Some("digits")).await.unwrap();
+        assert!(matches!(cache.lookup("digits", Key([7; 32]), ttl).await, Lookup::Miss(_)), "purged");
+    }
 }

@@ -127,6 +127,13 @@ impl Acks {
         released
     }
 
+    /// Requests whose acknowledgement has not left yet (running, or
+    /// answered and waiting for earlier ones): at most the Receive Maximum
+    /// the node announces, since the broker sends no more unacknowledged.
+    pub fn waiting(&self) -> usize {
+        self.order.queue.len()
+    }
+
     /// The broker lost our session: forget its requests' packet ids.
     pub fn new_session(&mut self) {
         self.epoch += 1;

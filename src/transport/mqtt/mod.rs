@@ -9,12 +9,12 @@ mod options;
 mod outbox;
 mod topics;
 
-pub use options::{BrokerAddress, OptionsError, client_options};
-pub use topics::{Topics, valid_reply_topic};
+pub use options::{BrokerAddress, OptionsError, client_options, credentials};
+pub use topics::{ReplyRefusal, Topics, valid_reply_topic};
 
 use crate::engine::{Engine, Envelope};
 use crate::lifecycle::Heartbeat;
-use crate::protocol::{Encoding, FollowUp, InferError, ReplyRoute};
+use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, first_reply};
 use crate::telemetry::{State, Status};
 use acks::{AckSlot, Acks, Finished, Seen};
 use outbox::{Note, Outbox, Reply};
@@ -33,6 +33,8 @@ pub struct MqttService {
     topics: Topics,
     status: Status,
     max_in_flight: usize,
+    /// `limits.max_bytes_in_flight`: the payload bytes requests may hold.
+    max_bytes_in_flight: usize,
     stats_interval: Option<Duration>,
     options: rumqttc::v5::MqttOptions,
     /// True while connected with our subscriptions in place; the HTTP
@@ -43,7 +45,7 @@ pub struct MqttService {
     /// Asks for the retained status to be published again (after a reload).
     refresh: Arc<tokio::sync::Notify>,
     /// Replies after the first (async enrichment), from the cloud spool.
-    follow_ups: Option<tokio::sync::mpsc::UnboundedReceiver<FollowUp>>,
+    follow_ups: Option<tokio::sync::mpsc::Receiver<FollowUp>>,
 }
 
 impl MqttService {
@@ -53,11 +55,12 @@ impl MqttService {
         status: Status,
     ) -> Result<(MqttService, watch::Receiver<bool>), OptionsError> {
         let mqtt = &config.mqtt;
-        let topics = Topics::new(&mqtt.topic_prefix, &config.node.id, &mqtt.share_group);
+        let topics = Topics::new(&mqtt.topic_prefix, &config.node.id, &mqtt.share_group)
+            .with_reply_prefixes(&mqtt.reply_prefixes);
         let client_id = mqtt.client_id.clone().unwrap_or_else(|| format!("edgeinfer-{}", config.node.id));
-        // Room above the payload limit for topic and properties, so an
-        // oversized request still reaches the engine and gets `too_large`.
-        let max_packet = (config.limits.max_payload_bytes + 64 * 1024) as u32;
+        // Well above the payload limit, so an oversized request still
+        // reaches the node and gets `too_large`.
+        let max_packet = config.limits.max_packet_bytes as u32;
         let in_flight = mqtt.max_in_flight.min(u16::MAX as usize) as u16;
         let mut options = client_options(mqtt, &client_id, max_packet, in_flight)?;
         options.set_last_will(LastWill::new(
@@ -74,6 +77,7 @@ impl MqttService {
                 topics,
                 status,
                 max_in_flight: mqtt.max_in_flight,
+                max_bytes_in_flight: config.limits.max_bytes_in_flight,
                 stats_interval: (config.telemetry.stats_interval_s > 0)
                     .then(|| Duration::from_secs(config.telemetry.stats_interval_s)),
                 options,
@@ -88,7 +92,7 @@ impl MqttService {
     }
 
     /// Publishes what arrives here to its reply route.
-    pub fn with_follow_ups(mut self, rx: tokio::sync::mpsc::UnboundedReceiver<FollowUp>) -> MqttService {
+    pub fn with_follow_ups(mut self, rx: tokio::sync::mpsc::Receiver<FollowUp>) -> MqttService {
         self.follow_ups = Some(rx);
         self
     }
@@ -113,7 +117,10 @@ impl MqttService {
         let mut follow_ups = self.follow_ups.take();
         let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
         let mut conn = Connection { client, outbox: Outbox::default(), connected: false };
-        let permits = Arc::new(Semaphore::new(self.max_in_flight));
+        let admission = Admission {
+            requests: Arc::new(Semaphore::new(self.max_in_flight)),
+            bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
+        };
         let (mut acks, mut finished) = Acks::new();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut awaiting_suback = false;
@@ -121,9 +128,13 @@ impl MqttService {
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
         let mut tasks = tokio::task::JoinSet::new();
+        let unacknowledged = metrics::gauge!(crate::telemetry::MQTT_UNACKNOWLEDGED);
+        let outbox_held = metrics::gauge!(crate::telemetry::MQTT_OUTBOX);
         loop {
             self.heartbeat.beat();
             conn.flush();
+            unacknowledged.set(acks.waiting() as f64);
+            outbox_held.set(conn.outbox.len() as f64);
             let event = tokio::select! {
                 _ = &mut shutdown => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
@@ -131,7 +142,14 @@ impl MqttService {
                     conn.finished(&mut acks, done);
                     continue;
                 }
-                Some(follow_up) = next_follow_up(&mut follow_ups) => {
+                // Only while connected: while the broker is away they wait
+                // upstream, in bounded channels and then in the spool.
+                Some(follow_up) = next_follow_up(&mut follow_ups), if conn.connected => {
+                    // Its provisional reply was handed on before it came
+                    // (`FirstReply`): publish that first.
+                    while let Ok(done) = finished.try_recv() {
+                        conn.finished(&mut acks, done);
+                    }
                     let props = PublishProperties {
                         correlation_data: follow_up.route.correlation.map(Into::into),
                         content_type: follow_up.route.content_type,
@@ -195,7 +213,7 @@ impl MqttService {
                     // Running or answered: its acknowledgement is to come.
                     Some(_) => {}
                     None => {
-                        let permit = permits.clone().try_acquire_owned().ok();
+                        let admitted = admission.admit(publish.payload.len());
                         let slot = acks.arrived(&publish);
                         let task = RequestTask {
                             engine: self.engine.clone(),
@@ -203,8 +221,9 @@ impl MqttService {
                             max_reply: conn.outbox.max_packet(),
                         };
                         tasks.spawn(async move {
-                            task.handle(publish, permit.is_some(), slot).await;
-                            drop(permit);
+                            let refusal = admitted.as_ref().err().cloned();
+                            task.handle(publish, refusal, slot).await;
+                            drop(admitted);
                         });
                     }
                 },
@@ -366,10 +385,40 @@ impl Connection {
 }
 
 /// The next follow-up, or never when there is no spool.
-async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::UnboundedReceiver<FollowUp>>) -> Option<FollowUp> {
+async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::Receiver<FollowUp>>) -> Option<FollowUp> {
     match rx {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
+    }
+}
+
+/// What requests may hold at once: a count (`mqtt.max_in_flight`) and
+/// payload bytes (`limits.max_bytes_in_flight`).
+struct Admission {
+    requests: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+}
+
+type Admitted = (tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit);
+
+impl Admission {
+    /// Permits for a request of `len` payload bytes, or the `overloaded`
+    /// error that names the limit it would cross.
+    fn admit(&self, len: usize) -> Result<Admitted, InferError> {
+        let request =
+            self.requests.clone().try_acquire_owned().map_err(|_| {
+                InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later")
+            })?;
+        let bytes = u32::try_from(len.max(1))
+            .ok()
+            .and_then(|n| self.bytes.clone().try_acquire_many_owned(n).ok())
+            .ok_or_else(|| {
+                InferError::overloaded(format!(
+                    "the node holds limits.max_bytes_in_flight bytes of requests and this one has {len}; \
+                     retry later"
+                ))
+            })?;
+        Ok((request, bytes))
     }
 }
 
@@ -382,7 +431,7 @@ struct RequestTask {
 impl RequestTask {
     /// Answers one request, handing its reply (or none, with nowhere to
     /// send one) back to the loop, which acknowledges the request after it.
-    async fn handle(self, publish: Publish, admitted: bool, ack: AckSlot) {
+    async fn handle(self, publish: Publish, refusal: Option<InferError>, ack: AckSlot) {
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
         let encoding = Encoding::from_content_type(props.content_type.as_deref());
@@ -390,8 +439,8 @@ impl RequestTask {
         // Read the payload once: fully for a request we will run, only its
         // id and reply_to for one we refuse. An MQTT 3.1.1 request names
         // its reply topic in the payload.
-        let decoded = match (admitted, model) {
-            (true, Some(_)) => Ok(self.engine.decode(&publish.payload, encoding)),
+        let decoded = match (&refusal, model) {
+            (None, Some(_)) => Ok(self.engine.decode(&publish.payload, encoding)),
             _ => Err(crate::engine::peek(&publish.payload, encoding)),
         };
         let (id, reply_to) = match &decoded {
@@ -399,31 +448,41 @@ impl RequestTask {
             Err(peek) => (&peek.id, &peek.reply_to),
         };
         let destination = props.response_topic.clone().or_else(|| reply_to.clone());
-        let Some(destination) = destination.filter(|t| valid_reply_topic(t)) else {
-            metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
-            tracing::debug!(id = %id, "request on {topic} has no valid reply topic; dropped");
+        let refused = match destination.as_deref().map(|d| self.topics.check_reply(d)) {
+            None | Some(Err(ReplyRefusal::Invalid)) => {
+                metrics::counter!(crate::telemetry::MQTT_NO_REPLY_TOPIC).increment(1);
+                Some("has no valid reply topic")
+            }
+            Some(Err(refusal)) => {
+                metrics::counter!(crate::telemetry::MQTT_REPLY_TOPICS_REFUSED, "reason" => refusal.as_str())
+                    .increment(1);
+                Some("names a reply topic replies may not go to")
+            }
+            Some(Ok(())) => None,
+        };
+        let (Some(destination), None) = (destination, refused) else {
+            tracing::debug!(id = %id, "request on {topic} {}; dropped", refused.unwrap_or_default());
             ack.send(None);
             return;
         };
         let envelope = Envelope { transport: "mqtt", ..Envelope::model(model.unwrap_or("")) };
-        let reply = match decoded {
-            Ok(decoded) => {
+        let mut first_reply_pending = None;
+        let reply = match (decoded, refusal) {
+            (Ok(decoded), _) => {
                 let route = ReplyRoute {
                     topic: destination.clone(),
                     correlation: props.correlation_data.as_ref().map(|c| c.to_vec()),
                     content_type: props.content_type.clone(),
                 };
+                let (pending, after) = first_reply();
+                first_reply_pending = Some(pending);
+                let route = FollowUpTo { route, after };
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
                 let envelope = Envelope { deadline, follow_up: Some(&route), ..envelope };
                 self.engine.answer(envelope, decoded, encoding).await
             }
-            Err(peek) if !admitted => self.engine.reject(
-                envelope,
-                peek.id,
-                encoding,
-                InferError::overloaded("the node is at mqtt.max_in_flight requests; retry later"),
-            ),
-            Err(peek) => self.engine.reject(
+            (Err(peek), Some(refusal)) => self.engine.reject(envelope, peek.id, encoding, refusal),
+            (Err(peek), None) => self.engine.reject(
                 envelope,
                 peek.id,
                 encoding,
@@ -450,6 +509,8 @@ impl RequestTask {
             publish.payload = crate::protocol::codec::encode_reply(&reply.id, Err(error), encoding).into();
         }
         ack.send(Some(Reply { publish, id: reply.id }));
+        // Only now may a follow-up to this request go out.
+        drop(first_reply_pending);
     }
 }
 

@@ -57,6 +57,21 @@ impl BrokerAddress {
     }
 }
 
+/// `mqtt.username` and its password (from `mqtt.password_file`,
+/// `mqtt.password`, or empty), when a username is set.
+pub fn credentials(config: &MqttConfig) -> Result<Option<(String, String)>, OptionsError> {
+    let Some(user) = &config.username else { return Ok(None) };
+    let password = match (&config.password, &config.password_file) {
+        (_, Some(path)) => std::fs::read_to_string(path)
+            .map_err(|source| OptionsError::File { key: "mqtt.password_file", path: path.clone(), source })?
+            .trim_end_matches(['\n', '\r'])
+            .to_string(),
+        (Some(secret), None) => secret.0.clone(),
+        (None, None) => String::new(),
+    };
+    Ok(Some((user.clone(), password)))
+}
+
 /// Builds the client options. `max_packet` is the largest request the node
 /// accepts on the wire (the broker must not send bigger ones).
 pub fn client_options(
@@ -82,19 +97,7 @@ pub fn client_options(
     // Nagle against delayed ACKs costs 44-88 ms per request (shared/PRODUCT.md).
     network.set_tcp_nodelay(true);
     options.set_network_options(network);
-    if let Some(user) = &config.username {
-        let password = match (&config.password, &config.password_file) {
-            (_, Some(path)) => std::fs::read_to_string(path)
-                .map_err(|source| OptionsError::File {
-                    key: "mqtt.password_file",
-                    path: path.clone(),
-                    source,
-                })?
-                .trim_end_matches(['\n', '\r'])
-                .to_string(),
-            (Some(secret), None) => secret.0.clone(),
-            (None, None) => String::new(),
-        };
+    if let Some((user, password)) = credentials(config)? {
         options.set_credentials(user, password);
     }
     if address.tls {

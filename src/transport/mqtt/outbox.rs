@@ -104,6 +104,12 @@ impl Outbox {
         self.max_packet.clone()
     }
 
+    /// Publishes and acknowledgements held: waiting, handed to rumqttc, or
+    /// written and waiting for the broker's PUBACK.
+    pub fn len(&self) -> usize {
+        self.queue.len() + self.handed.len() + self.written.len()
+    }
+
     /// Nothing waits to be handed over or acknowledged.
     pub fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.handed.is_empty() && self.written.is_empty()

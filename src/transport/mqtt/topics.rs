@@ -5,11 +5,64 @@ pub struct Topics {
     prefix: String,
     node: String,
     group: String,
+    /// `mqtt.reply_prefixes`: where replies may go; empty: anywhere else.
+    reply_prefixes: Vec<String>,
+}
+
+/// Why a request's reply topic is refused: it gets no publish at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyRefusal {
+    /// Empty, too long, or with a wildcard: no broker takes it.
+    Invalid,
+    /// A `$` topic (`$SYS/...`): the broker's own.
+    System,
+    /// Under `mqtt.topic_prefix`: the fleet's request, status and stats
+    /// topics, which a device must not make a node publish to.
+    Reserved,
+    /// Outside every `mqtt.reply_prefixes` entry.
+    NotAllowed,
+}
+
+impl ReplyRefusal {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplyRefusal::Invalid => "invalid",
+            ReplyRefusal::System => "system",
+            ReplyRefusal::Reserved => "reserved",
+            ReplyRefusal::NotAllowed => "not_allowed",
+        }
+    }
 }
 
 impl Topics {
     pub fn new(prefix: &str, node: &str, group: &str) -> Topics {
-        Topics { prefix: prefix.into(), node: node.into(), group: group.into() }
+        Topics { prefix: prefix.into(), node: node.into(), group: group.into(), reply_prefixes: Vec::new() }
+    }
+
+    /// Replies go only under these topic levels (`devices` admits
+    /// `devices/cam-3/replies`).
+    pub fn with_reply_prefixes(mut self, prefixes: &[String]) -> Topics {
+        self.reply_prefixes = prefixes.iter().map(|p| p.trim_end_matches('/').to_string()).collect();
+        self
+    }
+
+    /// Whether a reply may be published to `topic`.
+    pub fn check_reply(&self, topic: &str) -> Result<(), ReplyRefusal> {
+        let under = |prefix: &str| {
+            topic.strip_prefix(prefix).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        };
+        if !valid_reply_topic(topic) {
+            Err(ReplyRefusal::Invalid)
+        } else if topic.starts_with('$') {
+            Err(ReplyRefusal::System)
+        } else if under(&self.prefix) {
+            Err(ReplyRefusal::Reserved)
+        } else if !self.reply_prefixes.is_empty() && !self.reply_prefixes.iter().any(|p| under(p)) {
+            Err(ReplyRefusal::NotAllowed)
+        } else {
+            Ok(())
+        }
     }
 
     /// Requests addressed to this node.
@@ -62,5 +115,22 @@ mod tests {
         assert_eq!(t.model_of("other/gw-01/infer/digits"), None);
         assert_eq!(t.shared_requests(), "$share/edgeinfer/edgeinfer/infer/+");
         assert!(!valid_reply_topic("devices/+/x") && !valid_reply_topic("") && valid_reply_topic("a/b"));
+    }
+
+    #[test]
+    fn replies_never_go_to_system_or_fleet_topics_and_stay_in_the_allowed_prefixes() {
+        let open = Topics::new("edgeinfer", "gw-01", "edgeinfer");
+        assert_eq!(open.check_reply("devices/cam-3/replies"), Ok(()));
+        assert_eq!(open.check_reply("edgeinfer-bench/x/replies"), Ok(()), "a longer first level is not ours");
+        assert_eq!(open.check_reply("$SYS/broker/x"), Err(ReplyRefusal::System));
+        assert_eq!(open.check_reply("edgeinfer/gw-01/status"), Err(ReplyRefusal::Reserved));
+        assert_eq!(open.check_reply("edgeinfer/infer/digits"), Err(ReplyRefusal::Reserved));
+        assert_eq!(open.check_reply("edgeinfer"), Err(ReplyRefusal::Reserved));
+        assert_eq!(open.check_reply("devices/#"), Err(ReplyRefusal::Invalid));
+        let closed = open.with_reply_prefixes(&["devices/".into(), "plc".into()]);
+        assert_eq!(closed.check_reply("devices/cam-3/replies"), Ok(()));
+        assert_eq!(closed.check_reply("plc"), Ok(()));
+        assert_eq!(closed.check_reply("devicesx/cam"), Err(ReplyRefusal::NotAllowed));
+        assert_eq!(closed.check_reply("other/cam"), Err(ReplyRefusal::NotAllowed));
     }
 }

@@ -263,7 +263,12 @@ fn a_slow_cloud_never_makes_a_reply_miss_its_deadline_and_the_token_is_sent() {
     let (_edge, _, port) = edge_node(
         "gw-x5",
         fake.port,
-        &[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.0"), ("EDGEINFER_CLOUD__TOKEN_FILE", &token_path)],
+        &[
+            ("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.0"),
+            ("EDGEINFER_CLOUD__TOKEN_FILE", &token_path),
+            // The fake cloud speaks plain HTTP on loopback.
+            ("EDGEINFER_CLOUD__ALLOW_INSECURE_TOKEN", "true"),
+        ],
     );
     for (i, deadline) in [150u64, 300, 600].into_iter().enumerate() {
         for tier in ["standard", "quality"] {
@@ -665,24 +670,15 @@ async fn tls_front(backend: u16, cert_pem: String, key_pem: String) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_cloud_is_reached_with_the_configured_ca_and_refused_with_another() {
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-    let mut ca_params = CertificateParams::new(vec![]).unwrap();
-    ca_params.distinguished_name.push(DnType::CommonName, "edgeinfer test CA");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec!["127.0.0.1".into()]).unwrap();
-    params.distinguished_name.push(DnType::CommonName, "cloud");
-    let cert = params.signed_by(&key, &ca).unwrap();
+    use super::support::{loopback_cert, test_ca};
+    let ca = test_ca("edgeinfer test CA");
+    let (cert, key) = loopback_cert(&ca, "cloud");
     let files = tempfile::tempdir().unwrap();
     let ca_file = files.path().join("ca.pem");
     std::fs::write(&ca_file, ca.pem()).unwrap();
     let ca_file = ca_file.display().to_string();
     // Another CA, which did not sign the cloud's certificate.
-    let mut other = CertificateParams::new(vec![]).unwrap();
-    other.distinguished_name.push(DnType::CommonName, "some other CA");
-    other.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let other = CertifiedIssuer::self_signed(other, KeyPair::generate().unwrap()).unwrap();
+    let other = test_ca("some other CA");
     let other_file = files.path().join("other.pem");
     std::fs::write(&other_file, other.pem()).unwrap();
     let other_file = other_file.display().to_string();

@@ -1,7 +1,7 @@
 //! One node with its embedded broker (rumqttd): the wire contract end to end.
 
 use super::labelled_request;
-use super::support::{Client, Client311, Node, free_port_pair};
+use super::support::{Client, Client311, Node, embedded_node_with_http, free_port_pair, sample, scrape};
 use crate::{digits_request, heldout};
 use edgeinfer::protocol::TensorData;
 use edgeinfer::protocol::postcard::{WireReply, WireRequest};
@@ -23,6 +23,8 @@ async fn mqtt5_round_trip_postcard_multi_row_and_status() {
     let (_, status) = c.next_json().await;
     assert_eq!(status["state"], "online", "{status}");
     assert_eq!(status["node"], "gw-e1");
+    let (rss, peak) = (status["rss_bytes"].as_u64().unwrap(), status["peak_rss_bytes"].as_u64().unwrap());
+    assert!(rss > 1 << 20 && peak >= rss, "resident memory now and at its peak: {status}");
     assert!(
         status["models"]
             .as_array()
@@ -90,8 +92,14 @@ async fn mqtt5_round_trip_postcard_multi_row_and_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mqtt311_client_gets_its_reply_on_reply_to() {
-    let (_node, port) = embedded_node("gw-e2", &[]);
-    // The embedded broker serves MQTT 3.1.1 on the next port.
+    let port = free_port_pair();
+    let v311 = format!("127.0.0.1:{}", port + 1);
+    let _node = Node::start(
+        &format!("mqtt://127.0.0.1:{port}"),
+        "gw-e2",
+        &[("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"), ("EDGEINFER_MQTT__EMBEDDED_V311_LISTEN", &v311)],
+    );
+    // The embedded broker serves MQTT 3.1.1 on its own listener, when asked.
     let mut c = Client311::connect(port + 1, "dev-e2", "devices/e2/replies").await;
     let (payload, label) = labelled_request("e2-1", 11);
     let mut req: Value = serde_json::from_slice(&payload).unwrap();
@@ -106,9 +114,51 @@ async fn mqtt311_client_gets_its_reply_on_reply_to() {
     assert_eq!(body["parameters"]["label"], label);
 }
 
+/// The distinct `model` label values in a scrape.
+fn model_labels(scrape: &str) -> std::collections::BTreeSet<String> {
+    scrape.lines().filter_map(|l| l.split("model=\"").nth(1)?.split('"').next().map(str::to_string)).collect()
+}
+
+/// A postcard `digits` request with `bad` as one pixel.
+fn postcard_with(bad: f32) -> Vec<u8> {
+    let (_, px) = &heldout()[0];
+    let request = serde_json::from_value::<edgeinfer::protocol::InferRequest>(digits_request(
+        "pc-bad",
+        std::slice::from_ref(px),
+    ))
+    .unwrap();
+    let mut wire = WireRequest::from(request);
+    let mut data: Vec<f32> = px.iter().map(|&x| x as f32).collect();
+    data[3] = bad;
+    wire.inputs[0].data = TensorData::F32(data);
+    postcard::to_stdvec(&wire).unwrap()
+}
+
+/// A well-formed JSON request of exactly `size` bytes, id first.
+fn json_of_size(id: &str, size: usize) -> Vec<u8> {
+    let head = format!(
+        "{{\"id\":\"{id}\",\"inputs\":[{{\"name\":\"input\",\"shape\":[1,64],\"datatype\":\"FP32\",\"data\":["
+    );
+    let tail = "0]}]}";
+    let mut out = head.into_bytes();
+    while out.len() + tail.len() + 2 <= size {
+        out.extend_from_slice(b"0,");
+    }
+    out.resize(size - tail.len(), b' ');
+    out.extend_from_slice(tail.as_bytes());
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_inputs_get_their_error_codes_and_the_node_keeps_serving() {
-    let (_node, port) = embedded_node("gw-e3", &[("EDGEINFER_LIMITS__MAX_PAYLOAD_BYTES", "8192")]);
+    let (_node, port, http_port) = embedded_node_with_http(
+        "gw-e3",
+        &[
+            ("EDGEINFER_LIMITS__MAX_PAYLOAD_BYTES", "8192"),
+            ("EDGEINFER_LIMITS__MAX_PACKET_BYTES", "8388608"),
+            ("EDGEINFER_MQTT__REPLY_PREFIXES", "[\"devices\"]"),
+        ],
+    );
     let mut c = Client::connect(port, "dev-e3", &["devices/e3/replies"]).await;
     let (good, _) = labelled_request("good", 0);
     let good: Value = serde_json::from_slice(&good).unwrap();
@@ -155,6 +205,20 @@ async fn bad_inputs_get_their_error_codes_and_the_node_keeps_serving() {
             "too_large",
         ),
         ("undecodable postcard", "digits", vec![0xff; 16], Some("application/x-postcard"), "invalid_payload"),
+        (
+            "NaN in postcard data",
+            "digits",
+            postcard_with(f32::NAN),
+            Some("application/x-postcard"),
+            "invalid_input",
+        ),
+        (
+            "infinity in postcard data",
+            "digits",
+            postcard_with(f32::INFINITY),
+            Some("application/x-postcard"),
+            "invalid_input",
+        ),
     ];
     for (i, (what, model, payload, content_type, code)) in table.into_iter().enumerate() {
         let topic = format!("edgeinfer/gw-e3/infer/{model}");
@@ -191,6 +255,34 @@ async fn bad_inputs_get_their_error_codes_and_the_node_keeps_serving() {
         assert_eq!(body["id"], "good", "after {what}");
     }
 
+    // Between max_payload_bytes and max_packet_bytes: `too_large`, naming
+    // both limits, without the payload being decoded.
+    let packet_room = 8 * 1024 * 1024 - 1024;
+    for (what, size) in [("1 MB", 1 << 20), ("6 MB", 6 << 20), ("just under max_packet_bytes", packet_room)] {
+        let corr = format!("big-{size}");
+        c.request(
+            "edgeinfer/gw-e3/infer/digits",
+            json_of_size(what, size),
+            "devices/e3/replies",
+            corr.as_bytes(),
+            None,
+        )
+        .await;
+        let reply = c.next(Duration::from_secs(30)).await.unwrap_or_else(|| panic!("{what}: no reply"));
+        assert_eq!(reply.properties.unwrap().correlation_data.as_deref(), Some(corr.as_bytes()), "{what}");
+        let body: Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(
+            (body["id"].as_str(), body["parameters"]["code"].as_str()),
+            (Some(what), Some("too_large"))
+        );
+        let error = body["error"].as_str().unwrap();
+        assert!(
+            error.contains("limits.max_payload_bytes = 8192")
+                && error.contains("limits.max_packet_bytes = 8388608"),
+            "{what}: {error}"
+        );
+    }
+
     // No reply topic at all: not processed, no reply anywhere, node fine.
     let mut watcher = Client::connect(port, "dev-e3-watch", &["#"]).await;
     c.client
@@ -211,6 +303,39 @@ async fn bad_inputs_get_their_error_codes_and_the_node_keeps_serving() {
         }
     }
     assert!(saw_request, "the watcher saw the request itself");
+
+    // Reply topics a device may not use: the broker's, the fleet's (this
+    // node's status), and anything outside mqtt.reply_prefixes. No
+    // publish (rumqttd refuses `$SYS/#` subscriptions, so the counter
+    // stands for that one), each counted, the node fine.
+    for topic in ["$SYS/broker/uptime", "edgeinfer/gw-e3/status", "elsewhere/replies"] {
+        c.request("edgeinfer/gw-e3/infer/digits", good.to_string().into_bytes(), topic, b"r", None).await;
+    }
+    while let Some(p) = watcher.next(Duration::from_millis(1500)).await {
+        let topic = std::str::from_utf8(&p.topic).unwrap().to_string();
+        assert!(topic.contains("/infer/"), "a refused reply topic got a publish on {topic}");
+    }
+    let metrics = tokio::task::spawn_blocking(move || scrape(http_port)).await.unwrap();
+    let refused = "edgeinfer_mqtt_reply_topics_refused_total";
+    for reason in ["system", "reserved", "not_allowed"] {
+        let reason_label = format!("reason=\"{reason}\"");
+        assert_eq!(sample(&metrics, &[refused, &reason_label]), 1.0, "{reason}");
+    }
+
+    // 10,000 distinct unknown model names: each answered, and the metric
+    // label set stays as it was (they are all `unknown`).
+    let models_before = model_labels(&metrics);
+    for i in 0..10_000 {
+        let topic = format!("edgeinfer/gw-e3/infer/no-such-model-{i}");
+        c.request(&topic, good.to_string().into_bytes(), "devices/e3/replies", b"u", None).await;
+    }
+    for i in 0..10_000 {
+        let (_, body) = c.next_json().await;
+        assert_eq!(body["parameters"]["code"], "unknown_model", "reply {i}: {body}");
+    }
+    let metrics = tokio::task::spawn_blocking(move || scrape(http_port)).await.unwrap();
+    let models_after = model_labels(&metrics);
+    assert!(models_after.len() <= models_before.len() + 1, "{models_before:?} -> {models_after:?}");
     c.request(
         "edgeinfer/gw-e3/infer/digits",
         good.to_string().into_bytes(),
@@ -370,4 +495,29 @@ async fn a_node_started_in_process_serves_then_drains_on_stop() {
     states.dedup();
     assert!(states.ends_with(&["draining".to_string(), "offline".to_string()]), "{states:?}");
     assert!(states.iter().rev().skip(2).all(|s| s == "online"), "{states:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_broker_requires_the_configured_login() {
+    // It starts only once the node itself logged in and subscribed.
+    let (_node, port) = embedded_node(
+        "gw-e9",
+        &[("EDGEINFER_MQTT__USERNAME", "site"), ("EDGEINFER_MQTT__PASSWORD", "s3cret-login")],
+    );
+    // What a client gets back from its CONNECT: a CONNACK, or an error.
+    async fn connack(port: u16, login: Option<(&str, &str)>) -> Result<(), String> {
+        use rumqttc::v5::mqttbytes::v5::Packet;
+        let mut options = rumqttc::v5::MqttOptions::new("dev-e9", "127.0.0.1", port);
+        if let Some((user, password)) = login {
+            options.set_credentials(user, password);
+        }
+        let (_client, mut eventloop) = rumqttc::v5::AsyncClient::new(options, 8);
+        match tokio::time::timeout(Duration::from_secs(5), eventloop.poll()).await {
+            Ok(Ok(rumqttc::v5::Event::Incoming(Packet::ConnAck(_)))) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    }
+    assert!(connack(port, None).await.is_err(), "an anonymous client is refused");
+    assert!(connack(port, Some(("site", "wrong"))).await.is_err(), "a wrong password is refused");
+    assert_eq!(connack(port, Some(("site", "s3cret-login"))).await, Ok(()));
 }

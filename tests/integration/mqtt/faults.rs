@@ -196,3 +196,56 @@ async fn a_lost_session_with_200_requests_in_flight_answers_each_exactly_once() 
     node.wait_for_line("session new", Duration::from_secs(1));
     drop(broker);
 }
+
+/// Issue 17, bounds: with `mqtt.max_in_flight = 4` and slow requests, a
+/// burst of 40 never has more than 4 requests at work; the others are
+/// answered `overloaded` at once. What waits for its acknowledgement is
+/// bounded by the broker's window (mosquitto ignores the Receive Maximum
+/// the node announces and sends up to its `max_inflight_messages`, 20) and,
+/// whatever the broker does, by MQTT's 65,535 packet ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_never_makes_the_node_hold_more_than_max_in_flight() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let http_port = super::support::free_port_pair();
+    let listen = format!("127.0.0.1:{http_port}");
+    let env = [
+        ("FAILPOINTS", "request_delay=return(200)"),
+        ("EDGEINFER_MQTT__MAX_IN_FLIGHT", "4"),
+        ("EDGEINFER_HTTP__LISTEN", listen.as_str()),
+    ];
+    let _node = tokio::task::block_in_place(|| Node::start(&broker.url(), "gw-f9", &env));
+    let mut client = Client::connect(broker.port, "dev-f9", &["dev/f9/replies"]).await;
+    let ids: Vec<String> = (0..40).map(|i| format!("f9-{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let (payload, _) = labelled_request(id, i);
+        client.request("edgeinfer/gw-f9/infer/digits", payload, "dev/f9/replies", id.as_bytes(), None).await;
+    }
+    let sampler = tokio::task::spawn_blocking(move || {
+        let (mut working, mut unacked, mut outbox) = (0f64, 0f64, 0f64);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(3) {
+            let metrics = scrape(http_port);
+            let gauge = |name: &str| sample(&metrics, &[name]);
+            working = working.max(sample(&metrics, &["edgeinfer_in_flight_requests", "model=\"digits\""]));
+            unacked = unacked.max(gauge("edgeinfer_mqtt_unacknowledged_requests"));
+            outbox = outbox.max(gauge("edgeinfer_mqtt_outbox_publishes"));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (working, unacked, outbox)
+    });
+    let got = collect(&mut client, &ids, Duration::from_secs(30), |r| !r.is_empty()).await;
+    let mut overloaded = 0;
+    for (id, replies) in &got {
+        assert_eq!(replies.len(), 1, "{id}: {replies:?}");
+        overloaded += (replies[0]["parameters"]["code"] == "overloaded") as usize;
+    }
+    let (working, unacked, outbox) = sampler.await.unwrap();
+    eprintln!(
+        "at most {working} at work, {unacked} unacknowledged, {outbox} publishes held; {overloaded} of 40 overloaded"
+    );
+    assert!((1.0..=4.0).contains(&working), "{working}");
+    assert!(overloaded > 0, "the burst went over mqtt.max_in_flight");
+    assert!(unacked <= 20.0, "mosquitto's window: {unacked}");
+    // A reply and an acknowledgement per request in the window, and the status.
+    assert!(outbox <= 2.0 * 20.0 + 1.0, "{outbox}");
+}

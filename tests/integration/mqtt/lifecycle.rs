@@ -11,6 +11,51 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[test]
+fn a_node_waiting_for_its_broker_asks_systemd_for_more_start_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+    // Nothing listens there: the broker is down at boot. A config file, so
+    // the first-run fallback (an embedded broker) stays off.
+    let port = free_port_pair();
+    let config = dir.path().join("edgeinfer.toml");
+    std::fs::write(&config, "").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .arg("--models-dir")
+        .arg(models_dir())
+        .env_remove("EDGEINFER_CONFIG")
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("EDGEINFER_MQTT__URL", format!("mqtt://127.0.0.1:{port}"))
+        .env("EDGEINFER_MQTT__EMBEDDED_BROKER", "false")
+        .env("EDGEINFER_HTTP__LISTEN", "")
+        .env("EDGEINFER_NODE__STATE_DIR", dir.path().join("state"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut seen = Vec::new();
+    let text = loop {
+        let mut buf = [0u8; 4096];
+        let n = socket.recv(&mut buf).unwrap_or_else(|e| panic!("{e}; got {seen:?}"));
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(!text.contains("READY=1"), "{text}");
+        if text.contains("EXTEND_TIMEOUT_USEC") {
+            break text;
+        }
+        seen.push(text);
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        text.contains("EXTEND_TIMEOUT_USEC=60000000") && text.contains("STATUS=waiting for the broker"),
+        "{text}"
+    );
+}
+
+#[test]
 fn sd_notify_says_ready_watchdog_reloading_and_stopping_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let socket_path = dir.path().join("notify");
@@ -224,13 +269,13 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
     node.signal("HUP");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // A setting only a restart applies: served on as before, and said so.
-    std::fs::write(&config, "[node]\ndrain_timeout_s = 5\n[limits]\nmax_payload_bytes = 100000\n").unwrap();
+    std::fs::write(&config, "[node]\ndrain_timeout_s = 5\n[limits]\nmax_packet_bytes = 1000000\n").unwrap();
     node.signal("HUP");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut watcher = Client::connect(mqtt, "watch-l3a", &["edgeinfer/gw-l3/status"]).await;
     let (_, status) = watcher.next_json().await;
     let waiting = status["restart_needed"].as_array().unwrap_or_else(|| panic!("{status}"));
-    assert!(waiting.iter().any(|s| s.as_str().unwrap().starts_with("limits.max_payload_bytes")), "{status}");
+    assert!(waiting.iter().any(|s| s.as_str().unwrap().starts_with("limits.max_packet_bytes")), "{status}");
     drop(watcher);
     std::fs::write(&config, "[runtime]\nmax_batch = 0\n").unwrap();
     node.signal("HUP");
@@ -249,21 +294,39 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
     let mut watcher = Client::connect(mqtt, "watch-l3", &["edgeinfer/gw-l3/status"]).await;
     let (_, status) = watcher.next_json().await;
     let problem = status["reload_error"].as_str().unwrap_or_else(|| panic!("{status}"));
-    assert!(problem.contains("runtime.max_batch"), "{problem}");
+    assert!(
+        problem.contains("runtime.max_batch") && !problem.contains('/'),
+        "no paths in the status: {problem}"
+    );
     let (_, meta) =
         tokio::task::spawn_blocking(move || get_json(http_port, "/v2/models/digits")).await.unwrap();
     let versions: BTreeSet<&str> =
         meta["versions"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(versions, BTreeSet::from(["1", "2"]), "{meta}");
+
+    // Version 1 removed: its info gauge goes to 0, version 2's stays 1.
+    std::fs::write(&config, "[node]\ndrain_timeout_s = 5\n").unwrap();
+    std::fs::remove_dir_all(models.path().join("digits/1")).unwrap();
+    node.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let metrics = tokio::task::spawn_blocking(move || super::support::scrape(http_port)).await.unwrap();
+    let info = |version: &str| {
+        super::support::sample(
+            &metrics,
+            &["edgeinfer_model_info{", "model=\"digits\"", &format!("version=\"{version}\"")],
+        )
+    };
+    assert_eq!((info("1"), info("2")), (0.0, 1.0), "{metrics}");
 }
 
+#[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_unfinished_at_the_drain_timeout_are_redelivered_to_the_next_node() {
     let Some(broker) = Mosquitto::start() else { return };
     let state = tempfile::tempdir().unwrap();
     let state_dir = state.path().display().to_string();
     let url = broker.url();
-    // A one-second batch window holds every request past a zero drain timeout.
+    // A one-second delay holds every request past a zero drain timeout.
     let (u, s) = (url.clone(), state_dir.clone());
     let mut slow = tokio::task::spawn_blocking(move || {
         Node::start(
@@ -271,7 +334,7 @@ async fn requests_unfinished_at_the_drain_timeout_are_redelivered_to_the_next_no
             "gw-l4",
             &[
                 ("EDGEINFER_NODE__STATE_DIR", &s),
-                ("EDGEINFER_RUNTIME__MAX_DELAY_US", "1000000"),
+                ("FAILPOINTS", "request_delay=return(1000)"),
                 ("EDGEINFER_NODE__DRAIN_TIMEOUT_S", "0"),
             ],
         )
@@ -296,7 +359,7 @@ async fn requests_unfinished_at_the_drain_timeout_are_redelivered_to_the_next_no
     let (status, slow) =
         tokio::task::spawn_blocking(move || (slow.wait(Duration::from_secs(5)), slow)).await.unwrap();
     assert!(status.success(), "{status:?}");
-    assert!(stopped_at.elapsed() < Duration::from_millis(900), "it did not wait for the batch window");
+    assert!(stopped_at.elapsed() < Duration::from_millis(900), "it did not wait for the requests");
     assert!(client.next(Duration::from_millis(100)).await.is_none(), "nothing was answered before the stop");
     let log = slow.log.lock().unwrap().join("\n");
     assert!(log.contains("5 unfinished"), "{log}");

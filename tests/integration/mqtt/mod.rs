@@ -6,6 +6,7 @@ mod cascade;
 mod embedded;
 #[cfg(feature = "failpoints")]
 mod faults;
+mod http_access;
 mod lifecycle;
 mod mosquitto;
 mod observability;

@@ -14,14 +14,18 @@ use tokio::sync::mpsc;
 
 /// One HTTP/1.1 request; returns the status and the body.
 pub fn http(port: u16, method: &str, path: &str, body: &[u8], content_type: &str) -> (u16, Vec<u8>) {
+    http_with(port, method, path, &[b"Content-Type: ", content_type.as_bytes()].concat(), body)
+}
+
+/// The same with `headers` (raw header lines, `\r\n`-separated, any bytes).
+pub fn http_with(port: u16, method: &str, path: &str, headers: &[u8], body: &[u8]) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nConnection: close\r\n",
         body.len()
     );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
+    s.write_all(&[head.as_bytes(), headers, b"\r\n\r\n", body].concat()).unwrap();
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("an HTTP response");
@@ -379,4 +383,24 @@ impl Client311 {
         tokio::time::timeout(Duration::from_secs(10), subscribed.recv()).await.expect("SUBACK").unwrap();
         Client311 { client, inbox }
     }
+}
+
+/// A certificate authority for TLS tests, named `name`.
+pub fn test_ca(name: &str) -> rcgen::CertifiedIssuer<'static, rcgen::KeyPair> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let mut params = CertificateParams::new(vec![]).unwrap();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    rcgen::CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+/// A server certificate for 127.0.0.1 named `name`, signed by `ca`, and its key.
+pub fn loopback_cert(
+    ca: &rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+    name: &str,
+) -> (rcgen::Certificate, rcgen::KeyPair) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".into()]).unwrap();
+    params.distinguished_name.push(rcgen::DnType::CommonName, name);
+    (params.signed_by(&key, ca).unwrap(), key)
 }

@@ -1,11 +1,18 @@
 //! The HTTP adapter: Prometheus scrapes, health, OIP model metadata and
-//! `POST .../infer` through the same engine as MQTT.
+//! `POST .../infer` through the same engine as MQTT; who may call what is
+//! in `auth`, the listener itself in `server`.
+
+mod auth;
+mod server;
+
+pub use auth::{Access, AccessError};
+pub use server::{Listener, serve};
 
 use crate::engine::{Engine, Envelope};
 use crate::protocol::{Encoding, ErrorReply, InferError};
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,12 +27,16 @@ struct AppState {
     metrics: Option<PrometheusHandle>,
     /// True while the MQTT session is up with our subscriptions.
     mqtt_ready: watch::Receiver<bool>,
+    /// The longest a request body may take to arrive.
+    body_timeout: std::time::Duration,
 }
 
 pub fn router(
     engine: Arc<Engine>,
     metrics: Option<PrometheusHandle>,
     mqtt_ready: watch::Receiver<bool>,
+    access: Access,
+    body_timeout: std::time::Duration,
 ) -> Router {
     Router::new()
         .route("/metrics", get(scrape))
@@ -37,37 +48,11 @@ pub fn router(
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_version))
         .route("/cache/stats", get(cache_stats))
         .route("/cache/purge", post(cache_purge))
-        .with_state(AppState { engine, metrics, mqtt_ready })
+        .with_state(AppState { engine, metrics, mqtt_ready, body_timeout })
+        .layer(axum::middleware::from_fn_with_state(Arc::new(access), auth::guard))
 }
 
-/// Serves until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let service = router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, service).with_graceful_shutdown(shutdown).await
-}
-
-/// Cache administration answers only this host (where `edgeinfer cache`
-/// runs), even when `http.listen` is open to the site for scrapes.
-fn refuse_remote(peer: std::net::SocketAddr) -> Option<Response> {
-    if peer.ip().is_loopback() {
-        None
-    } else {
-        let body = serde_json::json!({"error": format!("{peer}: cache administration is only answered on loopback; run edgeinfer cache on the node itself")});
-        Some((StatusCode::FORBIDDEN, axum::Json(body)).into_response())
-    }
-}
-
-async fn cache_stats(
-    State(state): State<AppState>,
-    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
-) -> Response {
-    if let Some(refused) = refuse_remote(peer) {
-        return refused;
-    }
+async fn cache_stats(State(state): State<AppState>) -> Response {
     axum::Json(state.engine.cache().stats()).into_response()
 }
 
@@ -76,14 +61,7 @@ struct PurgeQuery {
     model: Option<String>,
 }
 
-async fn cache_purge(
-    State(state): State<AppState>,
-    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
-    Query(q): Query<PurgeQuery>,
-) -> Response {
-    if let Some(refused) = refuse_remote(peer) {
-        return refused;
-    }
+async fn cache_purge(State(state): State<AppState>, Query(q): Query<PurgeQuery>) -> Response {
     match state.engine.cache().purge(q.model.as_deref()).await {
         Ok(n) => axum::Json(serde_json::json!({"purged_disk_entries": n, "model": q.model})).into_response(),
         Err(e) => {
@@ -191,9 +169,10 @@ async fn handle(
     let encoding = Encoding::from_content_type(content_type);
     let limit = state.engine.max_payload_bytes();
     let envelope = Envelope { version, transport: "http", ..Envelope::model(model) };
-    let reply = match axum::body::to_bytes(body, limit).await {
-        Ok(bytes) => state.engine.handle(envelope, &bytes, encoding).await,
-        Err(_) => state.engine.reject(
+    let mut status = None;
+    let reply = match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => state.engine.handle(envelope, &bytes, encoding).await,
+        Ok(Err(_)) => state.engine.reject(
             envelope,
             String::new(),
             encoding,
@@ -201,10 +180,22 @@ async fn handle(
                 "the request body is larger than limits.max_payload_bytes = {limit}; send fewer rows per request"
             )),
         ),
+        Err(_) => {
+            status = Some(StatusCode::REQUEST_TIMEOUT);
+            let waited = state.body_timeout.as_millis();
+            state.engine.reject(
+                envelope,
+                String::new(),
+                encoding,
+                InferError::invalid_payload(format!(
+                    "the request body did not arrive within http.body_timeout_ms = {waited}; send it at once"
+                )),
+            )
+        }
     };
-    let status = match reply.outcome {
+    let status = status.unwrap_or(match reply.outcome {
         Ok(()) => StatusCode::OK,
         Err(code) => StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-    };
+    });
     (status, [(header::CONTENT_TYPE, encoding.content_type())], reply.payload).into_response()
 }

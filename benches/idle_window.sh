@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The batching window at low load and saturated, in one run through one
+# mosquitto (set_tcp_nodelay true): the broker's echo floor, a node with the
+# default batching config (max_batch 32, max_delay_us 2000), and the same node
+# with max_delay_us = 0, each at one request in flight and at 4 x 32, the
+# cache off (distinct inputs are not needed: --no-cache). docs/BENCHMARKS.md.
+#
+#   benches/idle_window.sh [BINARY]        (default target/release/edgeinfer)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/edgeinfer}
+port=$((20000 + RANDOM % 20000))
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n' "$port" >"$work/mosquitto.conf"
+mosquitto -c "$work/mosquitto.conf" >"$work/mosquitto.log" 2>&1 &
+sleep 0.5
+url=mqtt://127.0.0.1:$port
+row() { # name saturated-json low-json
+  python3 - "$@" <<'PY'
+import json, sys
+name, sat, low = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+l, m = sat["latency_us"], low["latency_us"]
+print(f"| {name} | {sat['throughput_rps']:,.0f} req/s, p50 {l['p50']/1e3:.2f} ms, p99 {l['p99']/1e3:.2f} ms | "
+      f"{low['throughput_rps']:,.0f} req/s, p50 {m['p50']:.0f} us, p99 {m['p99']:.0f} us | {sat['errors']+low['errors']} |")
+PY
+}
+echo "| setup | 4 x 32 in flight | 1 in flight | errors |"
+echo "| --- | --- | --- | --- |"
+sat=$("$bin" bench --echo --url "$url" --node echo --connections 4 -C 32 --duration 8 --json)
+low=$("$bin" bench --echo --url "$url" --node echo --connections 1 -C 1 --duration 5 --json)
+row "broker echo floor" "$sat" "$low"
+for delay in 2000 0; do
+  EDGEINFER_NODE__ID=iw EDGEINFER_NODE__STATE_DIR="$work/state-$delay" EDGEINFER_MQTT__URL=$url \
+    EDGEINFER_HTTP__LISTEN= EDGEINFER_RUNTIME__MAX_DELAY_US=$delay EDGEINFER_CACHE__ENABLED=false EDGEINFER_LOG=warn \
+    "$bin" serve --models-dir models 2>"$work/node.log" &
+  node=$!
+  sleep 2
+  sat=$("$bin" bench --url "$url" --node iw --connections 4 -C 32 --duration 8 --json)
+  low=$("$bin" bench --url "$url" --node iw --connections 1 -C 1 --duration 5 --json)
+  kill -TERM $node && wait $node || true
+  row "node, max_batch 32, max_delay_us $delay" "$sat" "$low"
+done

@@ -1,0 +1,105 @@
+//! Fuzz targets: each decoder that reads what a device or an operator
+//! hands the node, with the properties that must hold for any input. A
+//! target panics only when one is broken. The stable runner
+//! (`tests/integration/fuzz.rs`, `EDGEINFER_FUZZ_CASES`) and the
+//! `cargo fuzz` targets in `fuzz/` call these same functions.
+
+use crate::config::Config;
+use crate::engine::peek;
+use crate::model::Manifest;
+use crate::protocol::postcard::WireReply;
+use crate::protocol::{Encoding, InferError, codec};
+use crate::transport::mqtt::{ReplyRefusal, Topics};
+
+/// A request payload in the Open Inference Protocol JSON.
+pub fn oip_json(data: &[u8]) {
+    request(data, Encoding::Json);
+}
+
+/// A request payload in postcard.
+pub fn postcard(data: &[u8]) {
+    request(data, Encoding::Postcard);
+}
+
+/// Decoding never panics, and whatever the payload, the error reply built
+/// from what could be read of it decodes and carries that id.
+fn request(data: &[u8], encoding: Encoding) {
+    let id = match codec::decode_request(data, encoding) {
+        Ok(request) => request.id,
+        Err(_) => peek(data, encoding).id,
+    };
+    let reply = codec::encode_reply(&id, Err(InferError::invalid_payload("fuzz")), encoding);
+    match encoding {
+        Encoding::Json => {
+            let value: serde_json::Value = serde_json::from_slice(&reply).expect("an error reply is JSON");
+            assert_eq!(value["id"].as_str(), Some(id.as_str()), "the reply carries the request's id");
+        }
+        Encoding::Postcard => match ::postcard::from_bytes::<WireReply>(&reply) {
+            Ok(WireReply::Err(e)) => assert_eq!(e.id, id, "the reply carries the request's id"),
+            other => panic!("an error reply decodes as one: {other:?}"),
+        },
+    }
+}
+
+/// An MQTT packet as the node's client reads it off the wire, and for a
+/// PUBLISH what the node then reads from it: the model its topic names,
+/// whether its reply topic may be used, its content type.
+pub fn mqtt_packet(data: &[u8]) {
+    use rumqttc::v5::mqttbytes::v5::Packet;
+    let mut bytes = bytes::BytesMut::from(data);
+    if let Ok(Packet::Publish(publish)) = Packet::read(&mut bytes, Some(1 << 20)) {
+        let topic = String::from_utf8_lossy(&publish.topic);
+        topic_and_reply(&topic, publish.properties.as_ref().and_then(|p| p.response_topic.as_deref()));
+        let content_type = publish.properties.as_ref().and_then(|p| p.content_type.as_deref());
+        let _ = Encoding::from_content_type(content_type);
+    }
+    let text = String::from_utf8_lossy(data);
+    let (topic, reply) = text.split_once('\n').unwrap_or((&text, ""));
+    topic_and_reply(topic, Some(reply));
+}
+
+fn topic_and_reply(topic: &str, reply: Option<&str>) {
+    let topics = Topics::new("edgeinfer", "gw-01", "edgeinfer").with_reply_prefixes(&["devices".into()]);
+    if let Some(model) = topics.model_of(topic) {
+        assert!(topic.ends_with(model), "the model is the topic's last part");
+    }
+    if let Some(reply) = reply
+        && topics.check_reply(reply).is_ok()
+    {
+        assert!(!reply.starts_with('$') && !reply.contains(['+', '#']), "{reply:?} passed the check");
+        assert_ne!(topics.check_reply(reply), Err(ReplyRefusal::Reserved));
+    }
+}
+
+/// A model manifest's text: refused with a reason, or its files are plain
+/// names inside the version directory.
+pub fn manifest(data: &[u8]) {
+    if let Ok(manifest) = Manifest::parse(&String::from_utf8_lossy(data)) {
+        let inside = |f: &str| {
+            std::path::Path::new(f).components().all(|c| matches!(c, std::path::Component::Normal(_)))
+        };
+        assert!(inside(&manifest.file), "{:?} was accepted", manifest.file);
+        if let Some(golden) = &manifest.golden {
+            assert!(inside(&golden.file), "{:?} was accepted", golden.file);
+        }
+    }
+}
+
+/// A config file's text: refused naming a key, or valid.
+pub fn config(data: &[u8]) {
+    if let Err(e) = Config::parse(&String::from_utf8_lossy(data)) {
+        assert!(!e.to_string().is_empty());
+    }
+}
+
+/// A target: panics only when a property is broken.
+pub type Target = fn(&[u8]);
+
+/// Every target by name, for runners.
+pub const TARGETS: [(&str, Target); 5] = [
+    ("oip_json", oip_json),
+    ("postcard", postcard),
+    ("mqtt_packet", mqtt_packet),
+    ("manifest", manifest),
+    ("config", config),
+];
