@@ -23,6 +23,9 @@ fn options(dir: &Path, memory_bytes: u64) -> CacheOptions {
         default_ttl: Duration::from_secs(3600),
         model_ttl: HashMap::new(),
         sweep_interval: Duration::from_secs(3600),
+        // Long enough that every disk read is timed, not given up on.
+        disk_read_timeout: Duration::from_secs(1),
+        disk_page_cache_bytes: 4 << 20,
     }
 }
 

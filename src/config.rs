@@ -167,6 +167,10 @@ pub struct RuntimeConfig {
     pub batch_sizes: Vec<usize>,
     /// Inference threads per model (tract runs each batch on one thread).
     pub threads_per_model: usize,
+    /// Threads for everything else (MQTT, HTTP, decoding, the cache): the
+    /// async runtime's workers. Two keep a small gateway's memory and
+    /// wake-ups down; inference has its own threads.
+    pub io_threads: usize,
     /// Requests waiting for a model's threads; beyond it they get `overloaded`.
     pub queue_capacity: usize,
     /// Most rows in one micro-batch (1 turns batching off).
@@ -225,6 +229,11 @@ pub struct CacheConfig {
     pub ttl_s: u64,
     /// How often expired disk entries are removed.
     pub sweep_interval_s: u64,
+    /// The longest a request waits for a disk read before it counts a miss
+    /// and runs the model (a slow disk costs a miss, never a stall).
+    pub disk_read_timeout_ms: u64,
+    /// sled's own page cache for the disk layer, in bytes.
+    pub disk_page_cache_bytes: u64,
 }
 
 impl Default for CacheConfig {
@@ -235,6 +244,8 @@ impl Default for CacheConfig {
             disk_bytes: 256 * 1024 * 1024,
             ttl_s: 24 * 3600,
             sweep_interval_s: 60,
+            disk_read_timeout_ms: 5,
+            disk_page_cache_bytes: 4 * 1024 * 1024,
         }
     }
 }
@@ -349,6 +360,7 @@ impl Default for RuntimeConfig {
         RuntimeConfig {
             batch_sizes: vec![1, 2, 4, 8, 16, 32],
             threads_per_model: 1,
+            io_threads: 2,
             queue_capacity: 1024,
             max_batch: 32,
             max_delay_us: 2000,
@@ -606,6 +618,9 @@ impl Config {
                 format!("{}: use 1 to 64", self.runtime.threads_per_model),
             );
         }
+        if !(1..=64).contains(&self.runtime.io_threads) {
+            return bad("runtime.io_threads", format!("{}: use 1 to 64", self.runtime.io_threads));
+        }
         if !(1..=1_000_000).contains(&self.runtime.queue_capacity) {
             return bad(
                 "runtime.queue_capacity",
@@ -673,6 +688,21 @@ impl Config {
         }
         if self.cache.sweep_interval_s == 0 {
             return bad("cache.sweep_interval_s", "0: use at least 1 second".into());
+        }
+        if self.cache.disk_read_timeout_ms == 0 || self.cache.disk_read_timeout_ms > 10_000 {
+            return bad(
+                "cache.disk_read_timeout_ms",
+                format!(
+                    "{}: use 1 to 10000 (a read slower than running the model is not worth waiting for)",
+                    self.cache.disk_read_timeout_ms
+                ),
+            );
+        }
+        if self.cache.disk_page_cache_bytes < 1024 * 1024 {
+            return bad(
+                "cache.disk_page_cache_bytes",
+                format!("{}: use at least 1048576 (1 MiB)", self.cache.disk_page_cache_bytes),
+            );
         }
         if self.cache.memory_bytes > 0 && self.cache.memory_bytes < 64 * 1024 {
             return bad(

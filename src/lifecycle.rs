@@ -53,11 +53,11 @@ pub const BLOCKING_THREADS: usize = 4;
 /// `config` and `versions` loaded model versions: the runtime's workers and
 /// blocking pool, every version's inference threads twice over (a reload
 /// starts the new ones before the old ones end), and the fixed ones
-/// (signals, stats, cache writer, planner, sled's flushers and its pool of
+/// (signals, stats, cache writer and reader, planner, sled's flushers and its pool of
 /// 7 idle threads, the embedded broker).
-pub fn tasks_needed(config: &Config, versions: usize, cores: usize) -> usize {
+pub fn tasks_needed(config: &Config, versions: usize) -> usize {
     let inference = versions * config.runtime.threads_per_model;
-    cores + BLOCKING_THREADS + 2 * inference + 24
+    config.runtime.io_threads + BLOCKING_THREADS + 2 * inference + 24
 }
 
 /// File descriptors a node may hold: HTTP connections, the embedded
@@ -73,8 +73,7 @@ pub fn files_needed(config: &Config) -> usize {
 /// this config may need: a thread that cannot start refuses a reload, and a
 /// connection that cannot be accepted is lost.
 pub fn check_limits(config: &Config, registry: &crate::model::Registry) {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let tasks = tasks_needed(config, registry.all().count(), cores);
+    let tasks = tasks_needed(config, registry.all().count());
     if let Some(max) = pids_max()
         && max < tasks as u64
     {
@@ -304,6 +303,7 @@ pub fn needing_restart(started: &Config, next: &Config) -> Vec<&'static str> {
         ),
         ("limits.max_bytes_in_flight", started.limits.max_bytes_in_flight != next.limits.max_bytes_in_flight),
         ("cloud", started.cloud != next.cloud),
+        ("runtime.io_threads", started.runtime.io_threads != next.runtime.io_threads),
     ]
     .into_iter()
     .filter_map(|(setting, changed)| changed.then_some(setting))
@@ -315,7 +315,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_shipped_unit_leaves_room_for_the_shipped_config_on_an_eight_core_gateway() {
+    fn the_shipped_unit_leaves_room_for_the_shipped_config() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let unit = std::fs::read_to_string(root.join("systemd/edgeinfer.service")).unwrap();
         let setting = |key: &str| -> usize {
@@ -331,10 +331,10 @@ mod tests {
             .count();
         assert!(versions >= 3, "{versions}");
         // Room for four times the shipped models, or four threads each.
-        assert!(setting("TasksMax") >= tasks_needed(&config, 4 * versions, 8), "{}", setting("TasksMax"));
+        assert!(setting("TasksMax") >= tasks_needed(&config, 4 * versions), "{}", setting("TasksMax"));
         let mut threaded = config.clone();
         threaded.runtime.threads_per_model = 4;
-        assert!(setting("TasksMax") >= tasks_needed(&threaded, versions, 8));
+        assert!(setting("TasksMax") >= tasks_needed(&threaded, versions));
         let mut embedded = config.clone();
         embedded.mqtt.embedded_broker = true;
         assert!(setting("LimitNOFILE") >= files_needed(&embedded));

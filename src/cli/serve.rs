@@ -12,6 +12,7 @@ pub fn run(config: Config, reload: ReloadSource) -> Result<i32> {
     // The blocking pool only runs reloads: a few threads, so the node's
     // task count stays what `lifecycle::tasks_needed` says.
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.runtime.io_threads)
         .max_blocking_threads(lifecycle::BLOCKING_THREADS)
         .enable_all()
         .build()?;

@@ -67,6 +67,9 @@ pub const CACHE_DISK_ERRORS: &str = "edgeinfer_cache_disk_errors_total";
 pub const STORE_REBUILDS: &str = "edgeinfer_store_rebuilds_total";
 /// Answers not written to disk because the writer was too far behind.
 pub const CACHE_WRITES_DROPPED: &str = "edgeinfer_cache_writes_dropped_total";
+/// Disk lookups counted as misses without the disk's answer, by `reason`
+/// (`slow`: over `cache.disk_read_timeout_ms`; `busy`: the reader's queue was full).
+pub const CACHE_DISK_READS_SKIPPED: &str = "edgeinfer_cache_disk_reads_skipped_total";
 /// Escalations to the cloud tier, by `model` and `mode` (`sync`, `async`,
 /// `quality`); the escalation rate is this over `edgeinfer_requests_total`.
 pub const CLOUD_ESCALATIONS: &str = "edgeinfer_cloud_escalations_total";
@@ -200,6 +203,10 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_counter!(
         CACHE_WRITES_DROPPED,
         "Answers not written to the disk cache because its writer lagged"
+    );
+    metrics::describe_counter!(
+        CACHE_DISK_READS_SKIPPED,
+        "Disk cache lookups counted as misses without the disk's answer, by reason: slow (over cache.disk_read_timeout_ms), busy (the reader's queue was full)"
     );
     metrics::describe_counter!(CLOUD_ESCALATIONS, "Escalations to the cloud tier, by model and mode");
     metrics::describe_counter!(CLOUD_REQUESTS, "Calls to the cloud tier, by model and outcome");

@@ -1,8 +1,11 @@
 //! The disk layer: a sled store under `node.state_dir/cache`.
 //!
-//! Requests only read it. Every write (store, remove, evict, sweep, purge)
-//! goes through one writer thread, so the byte count it keeps is exact and
-//! a slow disk never holds up a reply. Each record carries a checksum over
+//! Two threads own it. Every write (store, remove, evict, sweep, purge)
+//! goes through the writer, so the byte count it keeps is exact. Every
+//! read goes through the reader: a request waits for it at most
+//! `cache.disk_read_timeout_ms`, then counts a miss and runs the model, so
+//! a slow disk (or sled paging in, or cleaning its segments) costs a miss
+//! and never holds a runtime worker or a reply. Each record carries a checksum over
 //! its key and contents: a record torn by a crash, or damaged on disk, is
 //! detected on read, deleted and counted, never served.
 //!
@@ -25,8 +28,8 @@ use std::time::{Duration, Instant};
 /// Writes waiting for the writer; beyond it new entries are dropped (the
 /// answer is still in memory) and counted.
 const QUEUE: usize = 4096;
-/// sled's own page cache: kept small, the memory layer is the hot one.
-const PAGE_CACHE_BYTES: u64 = 8 * 1024 * 1024;
+/// Lookups waiting for the reader; beyond it a lookup is a miss at once.
+const READ_QUEUE: usize = 256;
 const ORDER_TREE: &[u8] = b"order";
 const MODEL_TREE_PREFIX: &str = "m:";
 /// Probes of a layer turned off by an error: the first after this, then
@@ -203,20 +206,52 @@ enum Op {
     Wake,
 }
 
+/// How the disk layer is sized and how long a request waits for it.
+#[derive(Debug, Clone, Copy)]
+pub struct DiskOptions {
+    /// Bytes of entries before the oldest go (`cache.disk_bytes`).
+    pub capacity: u64,
+    /// sled's own page cache (`cache.disk_page_cache_bytes`): small, the
+    /// memory layer is the hot one.
+    pub page_cache_bytes: u64,
+    /// The longest a request waits for a read (`cache.disk_read_timeout_ms`).
+    pub read_timeout: Duration,
+    pub sweep: Duration,
+}
+
+/// A lookup for the reader: the model, the key, the time it was asked, and
+/// where the answer goes (nobody listens once the request stopped waiting).
+struct ReadOp {
+    model: String,
+    key: Key,
+    now_ms: u64,
+    reply: tokio::sync::oneshot::Sender<Read>,
+}
+
 pub struct Disk {
     path: PathBuf,
     capacity: u64,
+    read_timeout: Duration,
     shared: Arc<Shared>,
     ops: SyncSender<Op>,
+    reads: SyncSender<ReadOp>,
+}
+
+/// Why a request did not wait for the disk layer's answer (the
+/// `reason` of `edgeinfer_cache_disk_reads_skipped_total`).
+fn skipped(reason: &'static str) -> Read {
+    metrics::counter!(telemetry::CACHE_DISK_READS_SKIPPED, "reason" => reason).increment(1);
+    Read::Miss
 }
 
 impl Disk {
     /// Opens (or creates) the store at `path`. A store that cannot be opened
     /// is moved aside and replaced by a fresh one; only when even that fails
     /// (or another process holds the store) is there no disk layer.
-    pub fn open(path: &Path, capacity: u64, sweep: Duration) -> Result<Disk, DiskError> {
+    pub fn open(path: &Path, options: DiskOptions) -> Result<Disk, DiskError> {
+        let DiskOptions { capacity, page_cache_bytes, read_timeout, sweep } = options;
         let mut problem = None;
-        let db = match open_db(path) {
+        let db = match open_db(path, page_cache_bytes) {
             Ok(db) => db,
             Err(locked @ DiskError::Locked(_)) => return Err(locked),
             Err(broken) => {
@@ -232,7 +267,7 @@ impl Disk {
                 metrics::counter!(telemetry::CACHE_QUARANTINED).increment(1);
                 let reason = "the store could not be opened; moved it aside and started a fresh one";
                 problem = Some(Problem { reason, detail });
-                open_db(path)?
+                open_db(path, page_cache_bytes)?
             }
         };
         let shared = Arc::new(Shared {
@@ -244,48 +279,46 @@ impl Disk {
         });
         metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
         let (ops, rx) = std::sync::mpsc::sync_channel(QUEUE);
-        let writer =
-            Writer { db: Some(db), path: path.to_path_buf(), capacity, shared: shared.clone(), seq: 0 };
+        let writer = Writer {
+            db: Some(db),
+            path: path.to_path_buf(),
+            capacity,
+            page_cache_bytes,
+            shared: shared.clone(),
+            seq: 0,
+        };
         std::thread::Builder::new()
             .name("cache-writer".into())
             .spawn(move || writer.run(rx, sweep))
             .map_err(|e| DiskError::Thread(e.to_string()))?;
-        Ok(Disk { path: path.to_path_buf(), capacity, shared, ops })
+        let (reads, read_rx) = std::sync::mpsc::sync_channel(READ_QUEUE);
+        let reader = Reader { path: path.to_path_buf(), shared: shared.clone(), ops: ops.clone() };
+        std::thread::Builder::new()
+            .name("cache-reader".into())
+            .spawn(move || reader.run(read_rx))
+            .map_err(|e| DiskError::Thread(e.to_string()))?;
+        Ok(Disk { path: path.to_path_buf(), capacity, read_timeout, shared, ops, reads })
     }
 
     pub fn enabled(&self) -> bool {
         self.shared.enabled.load(Ordering::Relaxed)
     }
 
-    /// The live record under `key`; a damaged one is deleted, counted and
-    /// reported as a miss.
-    pub fn get(&self, model: &str, key: &Key, now_ms: u64) -> Read {
-        let Some(db) = self.shared.db() else { return Read::Miss };
-        let tree = tree_name(model);
-        let got = std::panic::catch_unwind(AssertUnwindSafe(|| db.open_tree(&tree)?.get(key.0)));
-        let bytes = match got {
-            Ok(Ok(Some(bytes))) => bytes,
-            Ok(Ok(None)) => return Read::Miss,
-            Ok(Err(e)) => {
-                self.shared.disable(READ_FAILED, format!("reading {}: {e}", self.path.display()));
-                self.send(Op::Wake);
-                return Read::Miss;
-            }
-            Err(_) => {
-                self.shared.disable(READ_FAILED, format!("reading {}: sled panicked", self.path.display()));
-                self.send(Op::Wake);
-                return Read::Miss;
-            }
-        };
-        match Record::decode(key, &bytes) {
-            Some(r) if r.expires_at_ms > now_ms => Read::Hit { body: r.body, expires_at_ms: r.expires_at_ms },
-            Some(_) => Read::Miss,
-            None => {
-                tracing::warn!("cache entry {} of model {model} failed its checksum; deleted", key.hex());
-                metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
-                self.send(Op::Remove { model: model.to_string(), key: *key });
-                Read::Miss
-            }
+    /// The live record under `key`, from the reader, if it answers within
+    /// the read timeout; otherwise a miss (counted), and the request goes on.
+    pub async fn get(&self, model: &str, key: &Key, now_ms: u64) -> Read {
+        if !self.enabled() {
+            return Read::Miss;
+        }
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let op = ReadOp { model: model.to_string(), key: *key, now_ms, reply };
+        if self.reads.try_send(op).is_err() {
+            return skipped("busy");
+        }
+        match tokio::time::timeout(self.read_timeout, answer).await {
+            Ok(Ok(read)) => read,
+            Ok(Err(_)) => Read::Miss,
+            Err(_) => skipped("slow"),
         }
     }
 
@@ -333,13 +366,84 @@ impl Disk {
     }
 }
 
-fn db_config(path: &Path) -> sled::Config {
-    sled::Config::new().path(path).cache_capacity(PAGE_CACHE_BYTES).mode(sled::Mode::LowSpace)
+/// The one owner of reads: lookups wait here, in order, for sled.
+struct Reader {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    /// To the writer: a damaged record to remove, or a wake-up to probe.
+    ops: SyncSender<Op>,
 }
 
-fn open_db(path: &Path) -> Result<sled::Db, DiskError> {
+impl Reader {
+    fn run(self, rx: Receiver<ReadOp>) {
+        // Ends when the `Disk` (its sender) is dropped.
+        while let Ok(ReadOp { model, key, now_ms, reply }) = rx.recv() {
+            if reply.is_closed() {
+                continue; // the request stopped waiting
+            }
+            slow_disk_read();
+            let _ = reply.send(self.read(&model, &key, now_ms));
+        }
+    }
+
+    /// The live record under `key`; a damaged one is deleted, counted and
+    /// reported as a miss.
+    fn read(&self, model: &str, key: &Key, now_ms: u64) -> Read {
+        let Some(db) = self.shared.db() else { return Read::Miss };
+        let tree = tree_name(model);
+        let got = std::panic::catch_unwind(AssertUnwindSafe(|| db.open_tree(&tree)?.get(key.0)));
+        let bytes = match got {
+            Ok(Ok(Some(bytes))) => bytes,
+            Ok(Ok(None)) => return Read::Miss,
+            Ok(Err(e)) => {
+                self.shared.disable(READ_FAILED, format!("reading {}: {e}", self.path.display()));
+                self.send(Op::Wake);
+                return Read::Miss;
+            }
+            Err(_) => {
+                self.shared.disable(READ_FAILED, format!("reading {}: sled panicked", self.path.display()));
+                self.send(Op::Wake);
+                return Read::Miss;
+            }
+        };
+        match Record::decode(key, &bytes) {
+            Some(r) if r.expires_at_ms > now_ms => Read::Hit { body: r.body, expires_at_ms: r.expires_at_ms },
+            Some(_) => Read::Miss,
+            None => {
+                tracing::warn!("cache entry {} of model {model} failed its checksum; deleted", key.hex());
+                metrics::counter!(telemetry::CACHE_CORRUPT).increment(1);
+                self.send(Op::Remove { model: model.to_string(), key: *key });
+                Read::Miss
+            }
+        }
+    }
+
+    fn send(&self, op: Op) {
+        if let Err(TrySendError::Full(_)) = self.ops.try_send(op) {
+            metrics::counter!(telemetry::CACHE_WRITES_DROPPED).increment(1);
+        }
+    }
+}
+
+/// Fail point `disk_read_delay`: `return(MS)` makes every disk read take
+/// that much longer (a slow card, for the test that it costs a miss, not
+/// a stall).
+fn slow_disk_read() {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("disk_read_delay", |ms: Option<String>| {
+        if let Some(ms) = ms.and_then(|ms| ms.parse().ok()) {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+    });
+}
+
+fn db_config(path: &Path, page_cache_bytes: u64) -> sled::Config {
+    sled::Config::new().path(path).cache_capacity(page_cache_bytes).mode(sled::Mode::LowSpace)
+}
+
+fn open_db(path: &Path, page_cache_bytes: u64) -> Result<sled::Db, DiskError> {
     crate::store::recover(path);
-    let config = db_config(path);
+    let config = db_config(path, page_cache_bytes);
     let broken = |reason: String| DiskError::Broken { path: path.to_path_buf(), reason };
     // sled can panic on some kinds of damage rather than return an error.
     match std::panic::catch_unwind(AssertUnwindSafe(|| config.open())) {
@@ -380,6 +484,7 @@ struct Writer {
     db: Option<sled::Db>,
     path: PathBuf,
     capacity: u64,
+    page_cache_bytes: u64,
     shared: Arc<Shared>,
     seq: u64,
 }
@@ -464,7 +569,7 @@ impl Writer {
             Ok(())
         };
         let rebuilt = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            crate::store::rebuild(&self.path, old, db_config, copy)
+            crate::store::rebuild(&self.path, old, |p| db_config(p, self.page_cache_bytes), copy)
         }));
         let db = match rebuilt {
             Ok(Ok(db)) => {
@@ -506,7 +611,7 @@ impl Writer {
         // last handle is dropped.
         let mut attempts = 0;
         let db = loop {
-            match open_db(&self.path) {
+            match open_db(&self.path, self.page_cache_bytes) {
                 Ok(db) => break db,
                 Err(DiskError::Locked(_)) if attempts < 40 => {
                     attempts += 1;
@@ -789,7 +894,11 @@ mod tests {
     }
 
     fn open(dir: &Path, capacity: u64) -> Disk {
-        Disk::open(&dir.join("cache"), capacity, Duration::from_secs(3600)).unwrap()
+        Disk::open(&dir.join("cache"), options(capacity, Duration::from_secs(3600))).unwrap()
+    }
+
+    fn options(capacity: u64, sweep: Duration) -> DiskOptions {
+        DiskOptions { capacity, page_cache_bytes: 4 << 20, read_timeout: Duration::from_secs(5), sweep }
     }
 
     fn body(i: u32) -> Vec<u8> {
@@ -797,7 +906,7 @@ mod tests {
     }
 
     fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread().build().unwrap()
+        tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap()
     }
 
     #[test]
@@ -806,17 +915,42 @@ mod tests {
         let disk = open(dir.path(), 1 << 20);
         disk.put("m", key(1), 10, u64::MAX, body(1));
         rt().block_on(disk.flush());
-        assert!(matches!(disk.get("m", &key(1), 20), Read::Hit { .. }));
+        assert!(matches!(rt().block_on(disk.get("m", &key(1), 20)), Read::Hit { .. }));
         // Flip one byte of the stored record, as a torn write or a bad card would.
         let tree = disk.shared.db().unwrap().open_tree(tree_name("m")).unwrap();
         let mut bytes = tree.get(key(1).0).unwrap().unwrap().to_vec();
         let last = bytes.len() - 1;
         bytes[last] ^= 0x40;
         tree.insert(key(1).0, bytes).unwrap();
-        assert!(matches!(disk.get("m", &key(1), 20), Read::Miss));
+        assert!(matches!(rt().block_on(disk.get("m", &key(1), 20)), Read::Miss));
         rt().block_on(disk.flush());
         assert_eq!(tree.get(key(1).0).unwrap(), None, "the damaged record is gone");
         assert_eq!(disk.stats().entries, 0);
+    }
+
+    /// Issue 19: reads ran on the caller's thread, so a store held up (here
+    /// by holding its lock, as a reopen does) held up the request.
+    #[test]
+    fn a_read_the_disk_does_not_answer_in_time_is_a_miss_and_the_next_one_is_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = Disk::open(
+            &dir.path().join("cache"),
+            DiskOptions {
+                read_timeout: Duration::from_millis(20),
+                ..options(1 << 20, Duration::from_secs(3600))
+            },
+        )
+        .unwrap();
+        disk.put("m", key(1), 10, u64::MAX, body(1));
+        rt().block_on(disk.flush());
+        let held = disk.shared.db.write().unwrap();
+        let started = Instant::now();
+        assert!(matches!(rt().block_on(disk.get("m", &key(1), 20)), Read::Miss));
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        drop(held);
+        // 20 ms is short on a busy machine: a few tries.
+        let hit = (0..50).any(|_| matches!(rt().block_on(disk.get("m", &key(1), 20)), Read::Hit { .. }));
+        assert!(hit, "served once free");
     }
 
     #[test]
@@ -831,30 +965,32 @@ mod tests {
         let stats = disk.stats();
         assert!(stats.bytes <= capacity && stats.bytes > capacity / 2, "{stats:?}");
         assert!(stats.entries > 5 && stats.entries < 200, "{stats:?}");
-        assert!(matches!(disk.get("m", &key(199), 20), Read::Hit { .. }), "the newest stays");
-        assert!(matches!(disk.get("m", &key(0), 20), Read::Miss), "the oldest went");
+        assert!(matches!(rt().block_on(disk.get("m", &key(199), 20)), Read::Hit { .. }), "the newest stays");
+        assert!(matches!(rt().block_on(disk.get("m", &key(0), 20)), Read::Miss), "the oldest went");
     }
 
     #[test]
     fn expired_records_are_misses_and_the_sweep_removes_them() {
         let dir = tempfile::tempdir().unwrap();
-        let disk = Disk::open(&dir.path().join("cache"), 1 << 20, Duration::from_millis(50)).unwrap();
+        let disk =
+            Disk::open(&dir.path().join("cache"), options(1 << 20, Duration::from_millis(50))).unwrap();
         let now = crate::telemetry::unix_now_ms();
         disk.put("m", key(1), now, now + 1, body(1));
         disk.put("m", key(2), now, now + 3_600_000, body(2));
         rt().block_on(disk.flush());
-        assert!(matches!(disk.get("m", &key(1), now + 2), Read::Miss));
+        assert!(matches!(rt().block_on(disk.get("m", &key(1), now + 2)), Read::Miss));
         std::thread::sleep(Duration::from_millis(200));
         rt().block_on(disk.flush());
         assert_eq!(disk.stats().entries, 1, "{:?}", disk.stats());
-        assert!(matches!(disk.get("m", &key(2), now + 2), Read::Hit { .. }));
+        assert!(matches!(rt().block_on(disk.get("m", &key(2), now + 2)), Read::Hit { .. }));
     }
 
     #[test]
     fn a_store_whose_files_outgrow_their_bound_under_churn_is_rebuilt() {
         let dir = tempfile::tempdir().unwrap();
         let capacity = 64 * 1024;
-        let disk = Disk::open(&dir.path().join("cache"), capacity, Duration::from_millis(100)).unwrap();
+        let disk =
+            Disk::open(&dir.path().join("cache"), options(capacity, Duration::from_millis(100))).unwrap();
         let big = |i: u32| format!("answer {i}").into_bytes().repeat(200);
         let mut peak = 0;
         for i in 0..6000 {
@@ -873,7 +1009,10 @@ mod tests {
         assert!(peak > bound, "the churn grew the files past the bound ({peak} <= {bound})");
         assert!(stats.size_on_disk <= bound, "{stats:?}");
         assert!(stats.bytes <= capacity && stats.entries > 0, "{stats:?}");
-        assert!(matches!(disk.get("m", &key(5999), 20), Read::Hit { .. }), "the newest entry survived");
+        assert!(
+            matches!(rt().block_on(disk.get("m", &key(5999), 20)), Read::Hit { .. }),
+            "the newest entry survived"
+        );
     }
 
     #[test]
@@ -904,7 +1043,7 @@ mod tests {
         assert_eq!(rt().block_on(disk.purge(Some("never-stored"))), Ok(0));
         let trees: Vec<_> = db.tree_names().into_iter().filter(|n| n.starts_with(b"m:")).collect();
         assert_eq!(trees, vec![sled::IVec::from(tree_name("b").as_bytes())]);
-        assert!(matches!(disk.get("b", &key(1), 20), Read::Hit { .. }));
-        assert!(matches!(disk.get("a", &key(0), 20), Read::Miss));
+        assert!(matches!(rt().block_on(disk.get("b", &key(1), 20)), Read::Hit { .. }));
+        assert!(matches!(rt().block_on(disk.get("a", &key(0), 20)), Read::Miss));
     }
 }

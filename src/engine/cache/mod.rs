@@ -36,6 +36,8 @@ pub struct CacheOptions {
     /// TTL by model name; zero: that model's answers are not cached.
     pub model_ttl: HashMap<String, Duration>,
     pub sweep_interval: Duration,
+    pub disk_read_timeout: Duration,
+    pub disk_page_cache_bytes: u64,
 }
 
 impl CacheOptions {
@@ -49,6 +51,8 @@ impl CacheOptions {
             default_ttl: Duration::from_secs(c.ttl_s),
             model_ttl: config.models.keys().map(|m| (m.clone(), config.cache_ttl(m))).collect(),
             sweep_interval: Duration::from_secs(c.sweep_interval_s.max(1)),
+            disk_read_timeout: Duration::from_millis(c.disk_read_timeout_ms),
+            disk_page_cache_bytes: c.disk_page_cache_bytes,
         }
     }
 
@@ -62,6 +66,8 @@ impl CacheOptions {
             default_ttl: Duration::ZERO,
             model_ttl: HashMap::new(),
             sweep_interval: Duration::from_secs(60),
+            disk_read_timeout: Duration::ZERO,
+            disk_page_cache_bytes: 0,
         }
     }
 }
@@ -116,7 +122,17 @@ impl Cache {
             let dir = &options.dir;
             let opened = std::fs::create_dir_all(dir.parent().unwrap_or(dir))
                 .map_err(|e| DiskError::Create { path: dir.clone(), reason: e.to_string() })
-                .and_then(|()| disk::Disk::open(dir, options.disk_bytes, options.sweep_interval));
+                .and_then(|()| {
+                    disk::Disk::open(
+                        dir,
+                        disk::DiskOptions {
+                            capacity: options.disk_bytes,
+                            page_cache_bytes: options.disk_page_cache_bytes,
+                            read_timeout: options.disk_read_timeout,
+                            sweep: options.sweep_interval,
+                        },
+                    )
+                });
             match opened {
                 Ok(d) => disk = Some(d),
                 Err(e) => {
@@ -183,7 +199,7 @@ impl Cache {
             Found::Lead(flight) => ("miss", flight),
         };
         if let Some(disk) = &self.disk
-            && let disk::Read::Hit { body, expires_at_ms } = disk.get(model, &key, now)
+            && let disk::Read::Hit { body, expires_at_ms } = disk.get(model, &key, now).await
             && let Ok(wire) = postcard::from_bytes::<WireResponse>(&body)
         {
             let entry = Arc::new(Entry {
@@ -303,6 +319,8 @@ mod tests {
             default_ttl: Duration::from_secs(60),
             model_ttl: HashMap::new(),
             sweep_interval: Duration::from_secs(60),
+            disk_read_timeout: Duration::ZERO,
+            disk_page_cache_bytes: 0,
         });
         let ttl = Duration::from_secs(60);
         // An escalated `digits` request answered by the cloud's `digits-large`.

@@ -433,3 +433,55 @@ fn a_full_disk_turns_the_disk_layer_off_serving_continues_and_it_comes_back_when
     );
     assert!(node.terminate().success());
 }
+
+/// Issue 19: a disk read used to run on a runtime worker, so a slow disk
+/// (a worn card, sled paging in or cleaning) held up every request on that
+/// worker, cached or not. With every disk read made 3 s slow, requests that
+/// look in the cache count a miss after `cache.disk_read_timeout_ms` and
+/// run the model, and requests that do not are not held up at all.
+#[test]
+fn a_slow_disk_costs_a_miss_and_never_delays_a_request() {
+    let state = tempfile::tempdir().unwrap();
+    let env = [state_env(state.path()), ("FAILPOINTS", "disk_read_delay=return(3000)".to_string())];
+    let (_node, _, port) = start("gw-c12", &env);
+    let n = 12;
+    let cached = std::thread::spawn(move || {
+        (0..n)
+            .map(|i| {
+                let started = std::time::Instant::now();
+                let reply = infer_digits(port, &request(&format!("on-{i}"), i, i, json!({})));
+                (cache_of(&reply).to_string(), started.elapsed())
+            })
+            .collect::<Vec<_>>()
+    });
+    for i in 0..n {
+        let started = std::time::Instant::now();
+        infer_digits(port, &request(&format!("off-{i}"), i, 100 + i, json!({"cache": false})));
+        // Well under the 3 s a read takes: nothing waits for the disk.
+        assert!(started.elapsed() < Duration::from_secs(1), "cache-off request {i}: {:?}", started.elapsed());
+    }
+    for (i, (cache, took)) in cached.join().unwrap().into_iter().enumerate() {
+        assert_eq!(cache, "miss", "request {i}");
+        assert!(took < Duration::from_secs(1), "cache-on request {i}: {took:?}");
+    }
+    // The node's own view: every lookup ended within 20 ms (the timeout is
+    // 5 ms), and the reads it gave up on are counted.
+    let metrics = scrape(port);
+    let lookups = |le: &str| {
+        sample(
+            &metrics,
+            &[
+                "stage_duration_seconds_bucket{",
+                "model=\"digits\"",
+                "stage=\"cache_lookup\"",
+                &format!("le=\"{le}\""),
+            ],
+        )
+    };
+    let total =
+        sample(&metrics, &["stage_duration_seconds_count{", "model=\"digits\"", "stage=\"cache_lookup\""]);
+    assert!(total >= n as f64, "{total}");
+    assert_eq!(lookups("0.02"), total, "lookups over 20 ms");
+    let skipped = sample(&metrics, &["edgeinfer_cache_disk_reads_skipped_total{", "reason=\"slow\""]);
+    assert!(skipped >= n as f64, "{skipped} reads given up on");
+}

@@ -201,8 +201,10 @@ async fn a_lost_session_with_200_requests_in_flight_answers_each_exactly_once() 
 /// burst of 40 never has more than 4 requests at work; the others are
 /// answered `overloaded` at once. What waits for its acknowledgement is
 /// bounded by the broker's window (mosquitto ignores the Receive Maximum
-/// the node announces and sends up to its `max_inflight_messages`, 20) and,
-/// whatever the broker does, by MQTT's 65,535 packet ids.
+/// the node announces; with `max_inflight_messages 20` it was seen to have
+/// up to 28 unacknowledged here, so this test checks the gauges' sense, not
+/// mosquitto's window) and, whatever the broker does, by MQTT's 65,535
+/// packet ids; once all is answered nothing stays held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_never_makes_the_node_hold_more_than_max_in_flight() {
     let Some(broker) = Mosquitto::start() else { return };
@@ -245,7 +247,24 @@ async fn a_burst_never_makes_the_node_hold_more_than_max_in_flight() {
     );
     assert!((1.0..=4.0).contains(&working), "{working}");
     assert!(overloaded > 0, "the burst went over mqtt.max_in_flight");
-    assert!(unacked <= 20.0, "mosquitto's window: {unacked}");
-    // A reply and an acknowledgement per request in the window, and the status.
-    assert!(outbox <= 2.0 * 20.0 + 1.0, "{outbox}");
+    // The slow four hold back every later acknowledgement (they leave in
+    // order), so the burst is seen waiting; at most all of it.
+    assert!((5.0..=40.0).contains(&unacked), "{unacked}");
+    // A reply and an acknowledgement per request, and the status.
+    assert!(outbox <= 2.0 * 40.0 + 1.0, "{outbox}");
+    let held = tokio::task::spawn_blocking(move || {
+        // The last acknowledgement leaves just after the last reply.
+        let started = Instant::now();
+        loop {
+            let metrics = scrape(http_port);
+            let gauge = |name: &str| sample(&metrics, &[name]);
+            let held =
+                (gauge("edgeinfer_mqtt_unacknowledged_requests"), gauge("edgeinfer_in_flight_requests"));
+            if held == (0.0, 0.0) || started.elapsed() > Duration::from_secs(5) {
+                return held;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    assert_eq!(held.await.unwrap(), (0.0, 0.0), "(unacknowledged, at work) once everything was answered");
 }

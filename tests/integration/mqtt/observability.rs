@@ -259,7 +259,8 @@ fn a_lone_request_waits_for_no_batch_window_by_default() {
     };
     let total = sample(&metrics, &["stage_duration_seconds_count{", "model=\"digits\"", "stage=\"queue\""]);
     assert!(total >= n as f64, "{total}");
-    // A 2 ms window would put all of them above 2 ms; a loaded machine may
-    // delay one or two threads' wake-ups, no more.
-    assert!(queue("0.001") >= total - 2.0, "{} of {total} started within 1 ms", queue("0.001"));
+    // A 2 ms window would put every one above 2 ms; a machine loaded by the
+    // rest of the suite delays some threads' wake-ups (seen: 3 of 20), so
+    // most, not all, must start within 1 ms.
+    assert!(queue("0.001") >= total / 2.0, "{} of {total} started within 1 ms", queue("0.001"));
 }
