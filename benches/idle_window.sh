@@ -9,13 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/edgeinfer}
-port=$((20000 + RANDOM % 20000))
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
-printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n' "$port" >"$work/mosquitto.conf"
-mosquitto -c "$work/mosquitto.conf" >"$work/mosquitto.log" 2>&1 &
-sleep 0.5
-url=mqtt://127.0.0.1:$port
+source benches/mosquitto.sh
 row() { # name saturated-json low-json
   python3 - "$@" <<'PY'
 import json, sys

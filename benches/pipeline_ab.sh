@@ -11,13 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=$1 after=$2 rounds=${3:-2}
-port=$((20000 + RANDOM % 20000))
-work=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
-printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n' "$port" >"$work/mosquitto.conf"
-mosquitto -c "$work/mosquitto.conf" >"$work/mosquitto.log" 2>&1 &
-sleep 0.5
-url=mqtt://127.0.0.1:$port
+source benches/mosquitto.sh
 measure() { # name binary
   local name=$1 bin=$2 state="$work/state-$1-$RANDOM"
   EDGEINFER_NODE__ID=ab EDGEINFER_NODE__STATE_DIR="$state" EDGEINFER_MQTT__URL=$url \

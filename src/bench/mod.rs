@@ -42,9 +42,9 @@ pub enum Payload {
     /// The same bytes every time (after the first, a node answers from its
     /// cache). Shared, so each request clones a reference, not the bytes.
     Fixed(bytes::Bytes),
-    /// `head`, a number unique to the request, `tail`: every request differs,
-    /// so each one misses a node's cache.
-    Numbered { head: bytes::Bytes, tail: bytes::Bytes },
+    /// `head`, a number unique to the request (counted from `first`),
+    /// `tail`: every request differs, so each one misses a node's cache.
+    Numbered { head: bytes::Bytes, tail: bytes::Bytes, first: u64 },
 }
 
 impl Payload {
@@ -52,8 +52,8 @@ impl Payload {
     pub fn bytes(&self, k: usize, of: usize, seq: u64) -> bytes::Bytes {
         match self {
             Payload::Fixed(b) => b.clone(),
-            Payload::Numbered { head, tail } => {
-                let n = seq * of as u64 + k as u64;
+            Payload::Numbered { head, tail, first } => {
+                let n = first + seq * of as u64 + k as u64;
                 let mut out = Vec::with_capacity(head.len() + tail.len() + 20);
                 out.extend_from_slice(head);
                 out.extend_from_slice(n.to_string().as_bytes());
@@ -72,4 +72,22 @@ pub enum BenchError {
     Connect { url: String, message: String },
     #[error("{0}")]
     Cascade(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Payload;
+
+    /// A soak numbers each minute's requests from a new offset
+    /// (`--distinct-from`), so no request repeats one of an earlier minute.
+    #[test]
+    fn numbered_requests_count_from_the_offset_without_overlap_across_connections() {
+        let payload = |first| Payload::Numbered { head: "[".into(), tail: "]".into(), first };
+        let text = |p: &Payload, k, seq| String::from_utf8(p.bytes(k, 2, seq).to_vec()).unwrap();
+        let (first_run, later_run) = (payload(0), payload(200_000));
+        assert_eq!(text(&first_run, 0, 0), "[0]");
+        assert_eq!(text(&first_run, 1, 0), "[1]");
+        assert_eq!(text(&first_run, 0, 1), "[2]");
+        assert_eq!(text(&later_run, 1, 3), "[200007]");
+    }
 }

@@ -49,6 +49,10 @@ pub struct BenchArgs {
     /// first pixel set to the request number), so each misses the cache.
     #[arg(long, conflicts_with = "input")]
     distinct: bool,
+    /// With --distinct: number the requests from N, so a later run (of a
+    /// soak, benches/soak.sh) misses the cache as well.
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "distinct")]
+    distinct_from: u64,
     /// Send `parameters.cache = false`: the node skips its cache.
     #[arg(long, conflicts_with = "input")]
     no_cache: bool,
@@ -135,5 +139,5 @@ fn payload(args: &BenchArgs) -> Result<Payload> {
     let at = text.find("\"data\":[").expect("the request has data") + "\"data\":[".len();
     let end = at + text[at..].find(',').expect("64 pixels");
     let (head, tail) = (text[..at].to_string(), text[end..].to_string());
-    Ok(Payload::Numbered { head: head.into(), tail: tail.into() })
+    Ok(Payload::Numbered { head: head.into(), tail: tail.into(), first: args.distinct_from })
 }
