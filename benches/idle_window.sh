@@ -6,6 +6,10 @@
 # cache off (distinct inputs are not needed: --no-cache). docs/BENCHMARKS.md.
 #
 #   benches/idle_window.sh [BINARY]        (default target/release/edgeinfer)
+#
+# With PEER_PYTHON=/path/to/python (one with paho-mqtt, onnxruntime and
+# numpy; see benches/peer_python.py) a last row measures the Python peer a
+# user would write instead, on the same broker.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/edgeinfer}
@@ -35,3 +39,12 @@ for delay in 2000 0; do
   kill -TERM $node && wait $node || true
   row "node, max_batch 32, max_delay_us $delay" "$sat" "$low"
 done
+if [ -n "${PEER_PYTHON:-}" ]; then
+  "$PEER_PYTHON" benches/peer_python.py --url "$url" --node peer 2>"$work/peer.log" &
+  peer=$!
+  sleep 2
+  sat=$("$bin" bench --url "$url" --node peer --no-cache --connections 4 -C 32 --duration 8 --json)
+  low=$("$bin" bench --url "$url" --node peer --no-cache --connections 1 -C 1 --duration 5 --json)
+  kill $peer
+  row "Python peer (paho-mqtt + onnxruntime, benches/peer_python.py)" "$sat" "$low"
+fi
