@@ -23,10 +23,15 @@ print(f"| {name} | {sat['throughput_rps']:,.0f} req/s, p50 {l['p50']/1e3:.2f} ms
       f"{low['throughput_rps']:,.0f} req/s, p50 {m['p50']:.0f} us, p99 {m['p99']:.0f} us | {sat['errors']+low['errors']} |")
 PY
 }
+measure() { # NODE [bench flags]: sets $sat (4 x 32 in flight) and $low (1 in flight)
+  local node=$1
+  shift
+  sat=$("$bin" bench "$@" --url "$url" --node "$node" --connections 4 -C 32 --duration 8 --json)
+  low=$("$bin" bench "$@" --url "$url" --node "$node" --connections 1 -C 1 --duration 5 --json)
+}
 echo "| setup | 4 x 32 in flight | 1 in flight | errors |"
 echo "| --- | --- | --- | --- |"
-sat=$("$bin" bench --echo --url "$url" --node echo --connections 4 -C 32 --duration 8 --json)
-low=$("$bin" bench --echo --url "$url" --node echo --connections 1 -C 1 --duration 5 --json)
+measure echo --echo
 row "broker echo floor" "$sat" "$low"
 for delay in 2000 0; do
   EDGEINFER_NODE__ID=iw EDGEINFER_NODE__STATE_DIR="$work/state-$delay" EDGEINFER_MQTT__URL=$url \
@@ -34,8 +39,7 @@ for delay in 2000 0; do
     "$bin" serve --models-dir models 2>"$work/node.log" &
   node=$!
   sleep 2
-  sat=$("$bin" bench --url "$url" --node iw --connections 4 -C 32 --duration 8 --json)
-  low=$("$bin" bench --url "$url" --node iw --connections 1 -C 1 --duration 5 --json)
+  measure iw
   kill -TERM $node && wait $node || true
   row "node, max_batch 32, max_delay_us $delay" "$sat" "$low"
 done
@@ -43,8 +47,7 @@ if [ -n "${PEER_PYTHON:-}" ]; then
   "$PEER_PYTHON" benches/peer_python.py --url "$url" --node peer 2>"$work/peer.log" &
   peer=$!
   sleep 2
-  sat=$("$bin" bench --url "$url" --node peer --no-cache --connections 4 -C 32 --duration 8 --json)
-  low=$("$bin" bench --url "$url" --node peer --no-cache --connections 1 -C 1 --duration 5 --json)
+  measure peer --no-cache
   kill $peer
   row "Python peer (paho-mqtt + onnxruntime, benches/peer_python.py)" "$sat" "$low"
 fi

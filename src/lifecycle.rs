@@ -57,7 +57,7 @@ pub const BLOCKING_THREADS: usize = 4;
 /// 7 idle threads, the embedded broker).
 pub fn tasks_needed(config: &Config, versions: usize) -> usize {
     let inference = versions * config.runtime.threads_per_model;
-    config.runtime.io_threads + BLOCKING_THREADS + 2 * inference + 24
+    config.runtime.io_threads + BLOCKING_THREADS + 2 * inference + 25
 }
 
 /// File descriptors a node may hold: HTTP connections, the embedded

@@ -360,9 +360,7 @@ impl Disk {
     }
 
     fn send(&self, op: Op) {
-        if let Err(TrySendError::Full(_)) = self.ops.try_send(op) {
-            metrics::counter!(telemetry::CACHE_WRITES_DROPPED).increment(1);
-        }
+        to_writer(&self.ops, op);
     }
 }
 
@@ -419,9 +417,7 @@ impl Reader {
     }
 
     fn send(&self, op: Op) {
-        if let Err(TrySendError::Full(_)) = self.ops.try_send(op) {
-            metrics::counter!(telemetry::CACHE_WRITES_DROPPED).increment(1);
-        }
+        to_writer(&self.ops, op);
     }
 }
 
@@ -435,6 +431,13 @@ fn slow_disk_read() {
             std::thread::sleep(Duration::from_millis(ms));
         }
     });
+}
+
+/// Queues `op` for the writer without waiting; a full queue drops it, counted.
+fn to_writer(ops: &SyncSender<Op>, op: Op) {
+    if let Err(TrySendError::Full(_)) = ops.try_send(op) {
+        metrics::counter!(telemetry::CACHE_WRITES_DROPPED).increment(1);
+    }
 }
 
 fn db_config(path: &Path, page_cache_bytes: u64) -> sled::Config {

@@ -10,12 +10,25 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A socket standing in for systemd's `NOTIFY_SOCKET`, in `dir`.
+fn notify_socket(dir: &Path, timeout: Duration) -> (std::path::PathBuf, UnixDatagram) {
+    let path = dir.join("notify");
+    let socket = UnixDatagram::bind(&path).unwrap();
+    socket.set_read_timeout(Some(timeout)).unwrap();
+    (path, socket)
+}
+
+/// The next sd_notify message the node sent.
+fn notification(socket: &UnixDatagram) -> std::io::Result<String> {
+    let mut buf = [0u8; 4096];
+    let n = socket.recv(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
 #[test]
 fn a_node_waiting_for_its_broker_asks_systemd_for_more_start_time() {
     let dir = tempfile::tempdir().unwrap();
-    let socket_path = dir.path().join("notify");
-    let socket = UnixDatagram::bind(&socket_path).unwrap();
-    socket.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+    let (socket_path, socket) = notify_socket(dir.path(), Duration::from_secs(40));
     // Nothing listens there: the broker is down at boot. A config file, so
     // the first-run fallback (an embedded broker) stays off.
     let port = free_port_pair();
@@ -38,9 +51,7 @@ fn a_node_waiting_for_its_broker_asks_systemd_for_more_start_time() {
         .unwrap();
     let mut seen = Vec::new();
     let text = loop {
-        let mut buf = [0u8; 4096];
-        let n = socket.recv(&mut buf).unwrap_or_else(|e| panic!("{e}; got {seen:?}"));
-        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let text = notification(&socket).unwrap_or_else(|e| panic!("{e}; got {seen:?}"));
         assert!(!text.contains("READY=1"), "{text}");
         if text.contains("EXTEND_TIMEOUT_USEC") {
             break text;
@@ -58,9 +69,7 @@ fn a_node_waiting_for_its_broker_asks_systemd_for_more_start_time() {
 #[test]
 fn sd_notify_says_ready_watchdog_reloading_and_stopping_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    let socket_path = dir.path().join("notify");
-    let socket = UnixDatagram::bind(&socket_path).unwrap();
-    socket.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let (socket_path, socket) = notify_socket(dir.path(), Duration::from_secs(20));
     let port = free_port_pair();
     // systemd sets WATCHDOG_PID to the service's pid; `exec` keeps the shell's.
     // EDGEINFER_TEST_BIN measures another build's cold start (a release one).
@@ -81,10 +90,8 @@ fn sd_notify_says_ready_watchdog_reloading_and_stopping_in_order() {
         .unwrap();
     let mut messages: Vec<String> = Vec::new();
     let receive = |messages: &mut Vec<String>, until: &str| loop {
-        let mut buf = [0u8; 4096];
-        let n =
-            socket.recv(&mut buf).unwrap_or_else(|e| panic!("waiting for {until}: {e}; got {messages:?}"));
-        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let text =
+            notification(&socket).unwrap_or_else(|e| panic!("waiting for {until}: {e}; got {messages:?}"));
         let done = text.lines().any(|l| l == until);
         messages.push(text);
         if done {
