@@ -72,9 +72,6 @@ impl CacheOptions {
     }
 }
 
-/// Per-entry bookkeeping on top of the encoded reply, in the memory bound.
-const ENTRY_OVERHEAD: u64 = 160;
-
 /// What a lookup found.
 pub enum Lookup<'a> {
     /// A reply to send as is, after setting its `id`.
@@ -193,34 +190,21 @@ impl Cache {
     pub async fn lookup(&self, model: &str, key: Key, ttl: Duration) -> Lookup<'_> {
         let now = telemetry::unix_now_ms();
         let found = self.memory.find(&key, now).await;
-        let (result, flight) = match found {
-            Found::Hit(entry) => return self.hit(model, &entry, CacheStatus::Memory, "memory"),
-            Found::Joined(entry) => return self.hit(model, &entry, CacheStatus::Memory, "coalesced"),
-            Found::Lead(flight) => ("miss", flight),
+        let flight = match found {
+            Found::Hit(entry) => return from_memory(model, &entry, "memory"),
+            Found::Joined(entry) => return from_memory(model, &entry, "coalesced"),
+            Found::Lead(flight) => flight,
         };
         if let Some(disk) = &self.disk
             && let disk::Read::Hit { body, expires_at_ms } = disk.get(model, &key, now).await
             && let Ok(wire) = postcard::from_bytes::<WireResponse>(&body)
         {
-            let entry = Arc::new(Entry {
-                model: model.into(),
-                response: InferResponse::from(wire),
-                expires_at_ms,
-                weight: body.len() as u64 + ENTRY_OVERHEAD,
-            });
-            flight.fill(entry.clone());
+            flight.fill(Arc::new(Entry { model: model.into(), body: body.into(), expires_at_ms }));
             self.publish_memory();
-            return self.hit(model, &entry, CacheStatus::Disk, "disk");
+            return answer(model, wire, CacheStatus::Disk, "disk");
         }
-        count(model, result);
+        count(model, "miss");
         Lookup::Miss(Ticket { key, model: model.to_string(), ttl, flight })
-    }
-
-    fn hit(&self, model: &str, entry: &Entry, status: CacheStatus, result: &'static str) -> Lookup<'_> {
-        count(model, result);
-        let mut response = entry.response.clone();
-        response.parameters.cache = status;
-        Lookup::Hit(response)
     }
 
     /// The store stage: keeps an answer that ends its request, in memory
@@ -235,16 +219,13 @@ impl Cache {
         let mut response = response.clone();
         response.id.clear();
         response.parameters.cache = CacheStatus::Miss;
-        let body =
-            postcard::to_stdvec(&WireResponse::from(response.clone())).expect("a reply always encodes");
+        let body = postcard::to_stdvec(&WireResponse::from(response)).expect("a reply always encodes");
         let stored_at_ms = telemetry::unix_now_ms();
         let expires_at_ms = stored_at_ms.saturating_add(ticket.ttl.as_millis() as u64);
-        let weight = body.len() as u64 + ENTRY_OVERHEAD;
         ticket.flight.fill(Arc::new(Entry {
             model: ticket.model.as_str().into(),
-            response,
+            body: body.as_slice().into(),
             expires_at_ms,
-            weight,
         }));
         self.publish_memory();
         if let Some(disk) = &self.disk {
@@ -298,6 +279,26 @@ impl Cache {
         metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "memory").set(self.memory.entries() as f64);
         metrics::gauge!(telemetry::CACHE_BYTES, "layer" => "memory").set(self.memory.bytes() as f64);
     }
+}
+
+/// A memory entry as the answer to send. Its body was encoded by this
+/// process (or decoded once from disk), so it decodes; were it ever not to,
+/// the request runs uncached rather than fail.
+fn from_memory(model: &str, entry: &Entry, result: &'static str) -> Lookup<'static> {
+    match postcard::from_bytes::<WireResponse>(&entry.body) {
+        Ok(wire) => answer(model, wire, CacheStatus::Memory, result),
+        Err(_) => {
+            count(model, "miss");
+            Lookup::Bypass
+        }
+    }
+}
+
+fn answer(model: &str, wire: WireResponse, status: CacheStatus, result: &'static str) -> Lookup<'static> {
+    count(model, result);
+    let mut response = InferResponse::from(wire);
+    response.parameters.cache = status;
+    Lookup::Hit(response)
 }
 
 fn count(model: &str, result: &'static str) {
