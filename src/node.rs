@@ -66,6 +66,9 @@ impl Node {
         let started = Instant::now();
         start_embedded_broker(&config, reload.config_file.is_none())?;
         let metrics = if config.telemetry.metrics { telemetry::install() } else { None };
+        if let Some(handle) = &metrics {
+            tokio::spawn(telemetry::upkeep(handle.clone()));
+        }
         telemetry::describe_models(None, &registry);
         let cache = Cache::open(CacheOptions::from_config(&config));
         let mut engine = Engine::try_new(Arc::new(registry), EngineOptions::from_config(&config), cache)?;

@@ -258,6 +258,22 @@ pub fn describe_models(previous: Option<&crate::model::Registry>, registry: &cra
     }
 }
 
+/// Drains the histograms' recorded samples into their buckets every few
+/// seconds. The recorder keeps every sample until then; a scrape does it
+/// too, but a node nobody scrapes (HTTP off, or no Prometheus yet) grew by
+/// about 115 bytes per request, 14 MB a minute at 2,000 req/s (heaptrack).
+pub async fn upkeep(handle: PrometheusHandle) {
+    let mut every = tokio::time::interval(UPKEEP_PERIOD);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        handle.run_upkeep();
+    }
+}
+
+/// What `metrics-exporter-prometheus` uses when it runs its own upkeep.
+const UPKEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The scrape: refreshes what is read at scrape time, then renders.
 pub fn render(handle: &PrometheusHandle) -> String {
     if let Some(rss) = resident_bytes() {

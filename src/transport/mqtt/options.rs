@@ -72,6 +72,10 @@ pub fn credentials(config: &MqttConfig) -> Result<Option<(String, String)>, Opti
     Ok(Some((user.clone(), password)))
 }
 
+/// Unacknowledged publishes the node keeps out beyond one reply per request
+/// in flight: follow-ups (at most 64 out, `spool`) and the status.
+const OWN_PUBLISHES_BEYOND_REPLIES: u16 = 128;
+
 /// Builds the client options. `max_packet` is the largest request the node
 /// accepts on the wire (the broker must not send bigger ones).
 pub fn client_options(
@@ -90,6 +94,11 @@ pub fn client_options(
         // The broker never has more unacknowledged requests out to us than we
         // process at once: the bound on the node's memory.
         .set_receive_maximum(Some(max_in_flight))
+        // Our own unacknowledged publishes: replies to the requests in
+        // flight, follow-ups and the status. rumqttc keeps a slot per
+        // allowed one (216 bytes each, all touched at start): its default
+        // of 65,535 was 14 MB resident; more wait in the outbox.
+        .set_outgoing_inflight_upper_limit(max_in_flight.saturating_add(OWN_PUBLISHES_BEYOND_REPLIES))
         .set_max_packet_size(Some(max_packet))
         .set_request_channel_capacity(4096)
         .set_connection_timeout(10);
@@ -130,5 +139,14 @@ mod tests {
         assert_eq!((a.host.as_str(), a.port), ("::1", 1883));
         assert!(BrokerAddress::parse("mqtt://host:99999").unwrap_err().to_string().contains("port"));
         assert!(BrokerAddress::parse("http://host").is_err());
+    }
+
+    #[test]
+    fn the_node_keeps_out_only_as_many_publishes_as_it_can_have() {
+        let config = MqttConfig { url: "mqtt://127.0.0.1:1883".into(), ..MqttConfig::default() };
+        let options = client_options(&config, "n", 1 << 20, 512).unwrap();
+        assert_eq!(options.get_outgoing_inflight_upper_limit(), Some(640));
+        let options = client_options(&config, "n", 1 << 20, u16::MAX).unwrap();
+        assert_eq!(options.get_outgoing_inflight_upper_limit(), Some(u16::MAX), "saturates");
     }
 }
