@@ -73,7 +73,8 @@ pub fn credentials(config: &MqttConfig) -> Result<Option<(String, String)>, Opti
 }
 
 /// Unacknowledged publishes the node keeps out beyond one reply per request
-/// in flight: follow-ups (at most 64 out, `spool`) and the status.
+/// in flight: follow-ups (`cloud::spool::FOLLOW_UP_QUEUE`, 128, bounds them;
+/// the spool has at most 64 out) and the status.
 const OWN_PUBLISHES_BEYOND_REPLIES: u16 = 128;
 
 /// Builds the client options. `max_packet` is the largest request the node
@@ -96,8 +97,9 @@ pub fn client_options(
         .set_receive_maximum(Some(max_in_flight))
         // Our own unacknowledged publishes: replies to the requests in
         // flight, follow-ups and the status. rumqttc keeps a slot per
-        // allowed one (216 bytes each, all touched at start): its default
-        // of 65,535 was 14 MB resident; more wait in the outbox.
+        // allowed one (216 bytes each, touched as packet ids cycle): its
+        // default of 65,535 grew to 14 MB resident under load; more wait
+        // in the outbox.
         .set_outgoing_inflight_upper_limit(max_in_flight.saturating_add(OWN_PUBLISHES_BEYOND_REPLIES))
         .set_max_packet_size(Some(max_packet))
         .set_request_channel_capacity(4096)
