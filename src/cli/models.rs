@@ -1,5 +1,7 @@
-//! `edgeinfer models list|verify|profile`: what is in the models directory,
-//! whether it loads, and where its time goes.
+//! `edgeinfer models list|verify|profile|compare`: what is in the models
+//! directory, whether it loads, where its time goes, and which to serve.
+
+mod compare;
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -31,6 +33,13 @@ pub enum ModelsCommand {
     },
     /// List every model version found, loaded or refused (with the reason).
     List,
+    /// Put candidates side by side on labelled data: accuracy (each row one
+    /// request through the engine `serve` runs), latency per request of the
+    /// model's own work (p50, p95, p99 of preprocessing and the batch-1
+    /// plan), time per row at the largest batch, load time, file size and
+    /// kernels; then recommend the cheapest (lowest p50) that meets
+    /// --min-accuracy and --max-p99-ms. Exits 1 when none does.
+    Compare(compare::CompareArgs),
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized
     /// plan runs integer or float kernels, and time it. Exits 1 when any
@@ -50,6 +59,7 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
             profile(&registry, &model, version.as_deref(), batch, iterations, top)
         }
         ModelsCommand::Verify { iterations } => verify(&registry, iterations),
+        ModelsCommand::Compare(args) => compare::run(config, registry, args),
     }
 }
 

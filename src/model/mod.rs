@@ -1,6 +1,7 @@
 //! Models on disk: the manifest, the tract runtime with its per-batch-size
 //! plans, the golden-vector gate and the registry of loaded versions.
 
+pub mod compare;
 mod error;
 mod golden;
 mod kernels;

@@ -74,6 +74,70 @@ fn models_verify_reports_kernels_and_latency() {
     assert!(text.contains("us/item"), "{text}");
 }
 
+/// `models compare` on the held-out split: the accuracies it measures are
+/// the manifests', the kernels are what `models verify` reports, and the
+/// recommendation is the fastest candidate that meets the constraint.
+#[test]
+fn models_compare_recommends_the_fastest_model_that_is_accurate_enough() {
+    let data = models_dir().join("heldout/digits.csv");
+    let compare = |extra: &[&str]| {
+        let mut args = vec!["models", "compare", "--data", data.to_str().unwrap(), "--passes", "1"];
+        args.extend_from_slice(extra);
+        edgeinfer(&args, None, &[])
+    };
+    let out = compare(&["--min-accuracy", "0.96", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["rows"], 360);
+    let candidates = report["candidates"].as_array().unwrap();
+    let ids: Vec<String> =
+        candidates.iter().map(|c| format!("{}:{}", c["model"], c["version"]).replace('"', "")).collect();
+    assert_eq!(ids, ["digits:1", "digits-f32:1", "digits-large:1"], "{text}");
+    for c in candidates {
+        let (measured, manifest) =
+            (c["accuracy"].as_f64().unwrap(), c["manifest_accuracy"].as_f64().unwrap());
+        assert!(
+            (measured - manifest).abs() < 1e-4,
+            "{}: {measured} against the manifest's {manifest}",
+            c["model"]
+        );
+        assert!(c["latency"]["p50_us"].as_f64().unwrap() > 0.0);
+        assert!(c["latency"]["p99_us"].as_f64().unwrap() >= c["latency"]["p50_us"].as_f64().unwrap());
+    }
+    assert_eq!(candidates[0]["kernels"], "integer", "models verify reports integer kernels for digits");
+    assert_eq!(candidates[2]["kernels"], "float");
+    let chosen = report["recommendation"]["chosen"].as_str().unwrap();
+    let chosen = candidates
+        .iter()
+        .find(|c| format!("{}:{}", c["model"].as_str().unwrap(), c["version"].as_str().unwrap()) == chosen)
+        .unwrap();
+    assert!(chosen["accuracy"].as_f64().unwrap() >= 0.96);
+    let p50 = |c: &Value| c["latency"]["p50_us"].as_f64().unwrap();
+    assert!(
+        candidates.iter().filter(|c| c["accuracy"].as_f64().unwrap() >= 0.96).all(|c| p50(chosen) <= p50(c)),
+        "{text}"
+    );
+    assert_eq!(report["recommendation"]["rejected"].as_array().unwrap().len(), 2);
+
+    // Only the large model reaches 0.98; the table names why the others lost.
+    let out = compare(&["--min-accuracy", "0.98"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("recommended: digits-large:1"), "{text}");
+    assert!(text.contains("not digits:1: accuracy 0.9694 is below --min-accuracy 0.98"), "{text}");
+
+    // Nothing reaches 0.999: no recommendation, exit 1.
+    let out = compare(&["--min-accuracy", "0.999"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no recommendation"));
+
+    let out = compare(&["nosuch", "--min-accuracy", "0.5"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nosuch is not a loaded model version; loaded: digits:1"), "{err}");
+}
+
 #[test]
 fn models_list_shows_every_shipped_model() {
     let out = edgeinfer(&["models", "list"], None, &[]);
@@ -117,6 +181,7 @@ fn help_and_version() {
         &["models", "--help"],
         &["models", "verify", "--help"],
         &["models", "list", "--help"],
+        &["models", "compare", "--help"],
     ] {
         let out = edgeinfer(args, None, &[]);
         let text = String::from_utf8_lossy(&out.stdout);

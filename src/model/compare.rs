@@ -1,0 +1,285 @@
+//! Choosing between model candidates (`edgeinfer models compare`): the
+//! labelled rows they are judged on, the figures kept per candidate, and the
+//! recommendation: the cheapest candidate that meets every constraint, with
+//! the reason each other one was not chosen. The measuring itself runs the
+//! node's engine and lives with the command.
+
+use serde::Serialize;
+use std::path::Path;
+use std::time::Duration;
+
+/// Labelled rows from a CSV file: the label first, then the features, one
+/// row per line; lines starting with `#` and blank lines are skipped
+/// (`models/heldout/digits.csv`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Labelled {
+    pub labels: Vec<String>,
+    pub features: Vec<Vec<f32>>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DataError {
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path} line {line}: {reason}")]
+    Row { path: String, line: usize, reason: String },
+    #[error("{path} has no rows; it needs one per line: the label, then the features, comma-separated")]
+    Empty { path: String },
+}
+
+impl Labelled {
+    pub fn read_csv(path: &Path) -> Result<Labelled, DataError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| DataError::Read { path: shown.clone(), reason: e.to_string() })?;
+        Labelled::parse_csv(&text, &shown)
+    }
+
+    pub fn parse_csv(text: &str, path: &str) -> Result<Labelled, DataError> {
+        let mut data = Labelled { labels: Vec::new(), features: Vec::new() };
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let bad = |reason: String| DataError::Row { path: path.to_string(), line: i + 1, reason };
+            let mut fields = line.split(',').map(str::trim);
+            let label = fields.next().filter(|l| !l.is_empty()).ok_or_else(|| bad("no label".into()))?;
+            let row = fields
+                .enumerate()
+                .map(|(j, f)| {
+                    f.parse::<f32>().map_err(|_| bad(format!("feature {} is {f:?}, not a number", j + 1)))
+                })
+                .collect::<Result<Vec<f32>, _>>()?;
+            if let Some(first) = data.features.first()
+                && first.len() != row.len()
+            {
+                return Err(bad(format!("{} features where the first row has {}", row.len(), first.len())));
+            }
+            if row.is_empty() {
+                return Err(bad("a label and no features".into()));
+            }
+            data.labels.push(label.to_string());
+            data.features.push(row);
+        }
+        if data.labels.is_empty() {
+            return Err(DataError::Empty { path: path.to_string() });
+        }
+        Ok(data)
+    }
+
+    /// Features per row.
+    pub fn width(&self) -> usize {
+        self.features[0].len()
+    }
+}
+
+/// The value at quantile `q` (0..=1) of `sorted`, by nearest rank.
+pub fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Latency per request, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Latency {
+    pub p50_us: f64,
+    pub p95_us: f64,
+    pub p99_us: f64,
+}
+
+impl Latency {
+    pub fn of(mut samples: Vec<Duration>) -> Latency {
+        samples.sort_unstable();
+        let us = |q| percentile(&samples, q).as_secs_f64() * 1e6;
+        Latency { p50_us: us(0.50), p95_us: us(0.95), p99_us: us(0.99) }
+    }
+}
+
+/// What was measured of one candidate.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    pub model: String,
+    pub version: String,
+    pub quantization: String,
+    /// `integer`, `float` or `mixed` kernels in the optimized plan.
+    pub kernels: String,
+    /// Rows answered with the file's label, of all rows.
+    pub accuracy: f64,
+    /// The accuracy the producing script wrote into the manifest, if any.
+    pub manifest_accuracy: Option<f64>,
+    /// The model's own work per request: preprocessing and the batch-1 plan.
+    pub latency: Latency,
+    /// The largest planned batch size and the time per row there, on one thread.
+    pub best_batch: usize,
+    pub per_row_us_at_best_batch: f64,
+    pub load_ms: f64,
+    pub file_bytes: u64,
+}
+
+impl Candidate {
+    pub fn id(&self) -> String {
+        format!("{}:{}", self.model, self.version)
+    }
+}
+
+/// What the chosen candidate must meet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Constraints {
+    pub min_accuracy: Option<f64>,
+    pub max_p99_ms: Option<f64>,
+}
+
+/// The choice and the reasons.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Recommendation {
+    /// `model:version` of the cheapest candidate meeting every constraint.
+    pub chosen: Option<String>,
+    pub why: String,
+    /// `model:version` and why it was not chosen, for every other candidate.
+    pub rejected: Vec<(String, String)>,
+}
+
+/// The cheapest candidate (lowest p50 latency per request; on a tie,
+/// the smaller file, then the name) that meets every constraint.
+pub fn recommend(candidates: &[Candidate], constraints: Constraints) -> Recommendation {
+    let failures = |c: &Candidate| {
+        let mut failed = Vec::new();
+        if let Some(min) = constraints.min_accuracy
+            && c.accuracy < min
+        {
+            failed.push(format!("accuracy {:.4} is below --min-accuracy {min}", c.accuracy));
+        }
+        if let Some(max) = constraints.max_p99_ms
+            && c.latency.p99_us / 1e3 > max
+        {
+            failed.push(format!("p99 {:.3} ms is above --max-p99-ms {max}", c.latency.p99_us / 1e3));
+        }
+        failed
+    };
+    let mut order: Vec<&Candidate> = candidates.iter().collect();
+    order.sort_by(|a, b| {
+        a.latency
+            .p50_us
+            .total_cmp(&b.latency.p50_us)
+            .then(a.file_bytes.cmp(&b.file_bytes))
+            .then_with(|| a.id().cmp(&b.id()))
+    });
+    let chosen = order.iter().copied().find(|c| failures(c).is_empty());
+    let rejected = order
+        .iter()
+        .filter(|c| chosen.is_none_or(|chosen| !std::ptr::eq(**c, chosen)))
+        .map(|c| {
+            let failed = failures(c);
+            let reason = if failed.is_empty() {
+                let chosen = chosen.expect("a candidate meeting every constraint was chosen");
+                format!(
+                    "meets the constraints but costs more: p50 {:.1} us against {:.1} us",
+                    c.latency.p50_us, chosen.latency.p50_us
+                )
+            } else {
+                failed.join("; ")
+            };
+            (c.id(), reason)
+        })
+        .collect();
+    let why = match chosen {
+        Some(c) if constraints == Constraints::default() => {
+            format!("the fastest (p50 {:.1} us); no constraint was given", c.latency.p50_us)
+        }
+        Some(c) => format!(
+            "the fastest that meets every constraint: accuracy {:.4}, p50 {:.1} us, p99 {:.1} us",
+            c.accuracy, c.latency.p50_us, c.latency.p99_us
+        ),
+        None => "no candidate meets every constraint; relax them or add a candidate".into(),
+    };
+    Recommendation { chosen: chosen.map(Candidate::id), why, rejected }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(model: &str, accuracy: f64, p50_us: f64, p99_us: f64, file_bytes: u64) -> Candidate {
+        Candidate {
+            model: model.into(),
+            version: "1".into(),
+            quantization: "int8".into(),
+            kernels: "integer".into(),
+            accuracy,
+            manifest_accuracy: None,
+            latency: Latency { p50_us, p95_us: p99_us, p99_us },
+            best_batch: 32,
+            per_row_us_at_best_batch: 1.0,
+            load_ms: 1.0,
+            file_bytes,
+        }
+    }
+
+    #[test]
+    fn percentiles_take_the_nearest_rank() {
+        let samples: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile(&samples, 0.50), Duration::from_micros(50));
+        assert_eq!(percentile(&samples, 0.99), Duration::from_micros(99));
+        assert_eq!(percentile(&samples, 1.0), Duration::from_micros(100));
+        assert_eq!(percentile(&samples, 0.0), Duration::from_micros(1));
+        assert_eq!(percentile(&[Duration::from_micros(7)], 0.95), Duration::from_micros(7));
+        assert_eq!(percentile(&[], 0.5), Duration::ZERO);
+        let l = Latency::of(vec![
+            Duration::from_micros(30),
+            Duration::from_micros(10),
+            Duration::from_micros(20),
+        ]);
+        assert_eq!((l.p50_us, l.p99_us), (20.0, 30.0));
+    }
+
+    #[test]
+    fn the_cheapest_candidate_meeting_every_constraint_is_chosen() {
+        let small = candidate("small", 0.95, 10.0, 20.0, 1000);
+        let mid = candidate("mid", 0.97, 20.0, 40.0, 2000);
+        let large = candidate("large", 0.99, 50.0, 900.0, 9000);
+        let all = [large.clone(), small.clone(), mid.clone()];
+        let r = recommend(&all, Constraints { min_accuracy: Some(0.96), max_p99_ms: None });
+        assert_eq!(r.chosen.as_deref(), Some("mid:1"), "{r:?}");
+        assert!(r.why.contains("accuracy 0.9700"), "{}", r.why);
+        let reasons: std::collections::HashMap<_, _> = r.rejected.into_iter().collect();
+        assert!(reasons["small:1"].contains("below --min-accuracy 0.96"), "{reasons:?}");
+        assert!(reasons["large:1"].contains("costs more"), "{reasons:?}");
+        // Both constraints: the accurate one is too slow in its tail.
+        let r = recommend(&all, Constraints { min_accuracy: Some(0.98), max_p99_ms: Some(0.5) });
+        assert_eq!(r.chosen, None);
+        assert!(r.why.contains("no candidate meets"), "{}", r.why);
+        assert_eq!(r.rejected.len(), 3);
+        let reasons: std::collections::HashMap<_, _> = r.rejected.into_iter().collect();
+        assert!(reasons["large:1"].contains("above --max-p99-ms 0.5"), "{reasons:?}");
+        // No constraint: the fastest.
+        let r = recommend(&all, Constraints::default());
+        assert_eq!(r.chosen.as_deref(), Some("small:1"));
+    }
+
+    #[test]
+    fn ties_go_to_the_smaller_file_then_the_name() {
+        let a = candidate("a", 0.97, 10.0, 20.0, 5000);
+        let b = candidate("b", 0.97, 10.0, 20.0, 1000);
+        let c = candidate("c", 0.97, 10.0, 20.0, 1000);
+        let r = recommend(&[a, c, b], Constraints { min_accuracy: Some(0.9), max_p99_ms: None });
+        assert_eq!(r.chosen.as_deref(), Some("b:1"));
+        assert_eq!(r.rejected.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), ["c:1", "a:1"]);
+    }
+
+    #[test]
+    fn a_csv_row_out_of_shape_is_named_by_its_line() {
+        let ok = Labelled::parse_csv("# comment\n7,1,2,3\n\n1, 4 ,5,6\n", "d.csv").unwrap();
+        assert_eq!(ok.labels, ["7", "1"]);
+        assert_eq!(ok.features[1], [4.0, 5.0, 6.0]);
+        assert_eq!(ok.width(), 3);
+        let e = Labelled::parse_csv("7,1,2,3\n1,4,5\n", "d.csv").unwrap_err();
+        assert_eq!(e.to_string(), "d.csv line 2: 2 features where the first row has 3");
+        let e = Labelled::parse_csv("7,1,x\n", "d.csv").unwrap_err();
+        assert_eq!(e.to_string(), "d.csv line 1: feature 2 is \"x\", not a number");
+        assert!(matches!(Labelled::parse_csv("# only\n", "d.csv"), Err(DataError::Empty { .. })));
+    }
+}
