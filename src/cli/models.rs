@@ -33,12 +33,13 @@ pub enum ModelsCommand {
     },
     /// List every model version found, loaded or refused (with the reason).
     List,
-    /// Put candidates side by side on labelled data: accuracy (each row one
-    /// request through the engine `serve` runs), latency per request of the
-    /// model's own work (p50, p95, p99 of preprocessing and the batch-1
-    /// plan), time per row at the largest batch, load time, file size and
-    /// kernels; then recommend the cheapest (lowest p50) that meets
-    /// --min-accuracy and --max-p99-ms. Exits 1 when none does.
+    /// Put candidates side by side on data: accuracy on its labelled rows
+    /// and agreement with a reference model (each row one request through
+    /// the engine `serve` runs), latency per request of the model's own work
+    /// (p50, p95, p99 of preprocessing and the batch-1 plan), time per row
+    /// at the largest batch, load time, file size and kernels; then
+    /// recommend the cheapest (lowest p50) that meets --min-accuracy,
+    /// --max-p99-ms and --max-agreement-loss. Exits 1 when none does.
     Compare(compare::CompareArgs),
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized

@@ -1,19 +1,20 @@
 //! Choosing between model candidates (`edgeinfer models compare`): the
-//! labelled rows they are judged on, the figures kept per candidate, and the
-//! recommendation: the cheapest candidate that meets every constraint, with
-//! the reason each other one was not chosen. The measuring itself runs the
-//! node's engine and lives with the command.
+//! rows they are judged on (labelled, or not: then against a reference
+//! model), the figures kept per candidate, and the recommendation: the
+//! cheapest candidate that meets every constraint, with the reason each
+//! other one was not chosen. The measuring itself runs the node's engine
+//! and lives with the command.
 
 use serde::Serialize;
 use std::path::Path;
 use std::time::Duration;
 
-/// Labelled rows from a CSV file: the label first, then the features, one
-/// row per line; lines starting with `#` and blank lines are skipped
-/// (`models/heldout/digits.csv`).
+/// Rows from a CSV file: the label first (empty when the row has none),
+/// then the features, one row per line; lines starting with `#` and blank
+/// lines are skipped (`models/heldout/digits.csv`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Labelled {
-    pub labels: Vec<String>,
+pub struct Rows {
+    pub labels: Vec<Option<String>>,
     pub features: Vec<Vec<f32>>,
 }
 
@@ -23,20 +24,22 @@ pub enum DataError {
     Read { path: String, reason: String },
     #[error("{path} line {line}: {reason}")]
     Row { path: String, line: usize, reason: String },
-    #[error("{path} has no rows; it needs one per line: the label, then the features, comma-separated")]
+    #[error(
+        "{path} has no rows; it needs one per line: the label (or nothing), then the features, comma-separated"
+    )]
     Empty { path: String },
 }
 
-impl Labelled {
-    pub fn read_csv(path: &Path) -> Result<Labelled, DataError> {
+impl Rows {
+    pub fn read_csv(path: &Path) -> Result<Rows, DataError> {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path)
             .map_err(|e| DataError::Read { path: shown.clone(), reason: e.to_string() })?;
-        Labelled::parse_csv(&text, &shown)
+        Rows::parse_csv(&text, &shown)
     }
 
-    pub fn parse_csv(text: &str, path: &str) -> Result<Labelled, DataError> {
-        let mut data = Labelled { labels: Vec::new(), features: Vec::new() };
+    pub fn parse_csv(text: &str, path: &str) -> Result<Rows, DataError> {
+        let mut data = Rows { labels: Vec::new(), features: Vec::new() };
         for (i, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
@@ -44,7 +47,7 @@ impl Labelled {
             }
             let bad = |reason: String| DataError::Row { path: path.to_string(), line: i + 1, reason };
             let mut fields = line.split(',').map(str::trim);
-            let label = fields.next().filter(|l| !l.is_empty()).ok_or_else(|| bad("no label".into()))?;
+            let label = fields.next().filter(|l| !l.is_empty());
             let row = fields
                 .enumerate()
                 .map(|(j, f)| {
@@ -57,9 +60,9 @@ impl Labelled {
                 return Err(bad(format!("{} features where the first row has {}", row.len(), first.len())));
             }
             if row.is_empty() {
-                return Err(bad("a label and no features".into()));
+                return Err(bad("no features after the label".into()));
             }
-            data.labels.push(label.to_string());
+            data.labels.push(label.map(str::to_string));
             data.features.push(row);
         }
         if data.labels.is_empty() {
@@ -72,6 +75,24 @@ impl Labelled {
     pub fn width(&self) -> usize {
         self.features[0].len()
     }
+
+    /// Rows that carry a label.
+    pub fn labelled(&self) -> usize {
+        self.labels.iter().flatten().count()
+    }
+}
+
+/// The share of the labelled rows `answers` got right; `None` without labels.
+pub fn accuracy(answers: &[String], labels: &[Option<String>]) -> Option<f64> {
+    let judged: Vec<bool> =
+        answers.iter().zip(labels).filter_map(|(a, l)| l.as_ref().map(|l| a == l)).collect();
+    (!judged.is_empty()).then(|| judged.iter().filter(|&&ok| ok).count() as f64 / judged.len() as f64)
+}
+
+/// The share of rows on which two candidates gave the same answer.
+pub fn agreement(answers: &[String], reference: &[String]) -> f64 {
+    let same = answers.iter().zip(reference).filter(|(a, r)| a == r).count();
+    same as f64 / answers.len().max(1) as f64
 }
 
 /// The value at quantile `q` (0..=1) of `sorted`, by nearest rank.
@@ -107,10 +128,12 @@ pub struct Candidate {
     pub quantization: String,
     /// `integer`, `float` or `mixed` kernels in the optimized plan.
     pub kernels: String,
-    /// Rows answered with the file's label, of all rows.
-    pub accuracy: f64,
+    /// Rows answered with the file's label, of the labelled rows.
+    pub accuracy: Option<f64>,
     /// The accuracy the producing script wrote into the manifest, if any.
     pub manifest_accuracy: Option<f64>,
+    /// Rows answered as the reference model answered them, when there is one.
+    pub agreement: Option<f64>,
     /// The model's own work per request: preprocessing and the batch-1 plan.
     pub latency: Latency,
     /// The largest planned batch size and the time per row there, on one thread.
@@ -131,6 +154,8 @@ impl Candidate {
 pub struct Constraints {
     pub min_accuracy: Option<f64>,
     pub max_p99_ms: Option<f64>,
+    /// Most share of rows a candidate may answer differently from the reference.
+    pub max_agreement_loss: Option<f64>,
 }
 
 /// The choice and the reasons.
@@ -148,10 +173,22 @@ pub struct Recommendation {
 pub fn recommend(candidates: &[Candidate], constraints: Constraints) -> Recommendation {
     let failures = |c: &Candidate| {
         let mut failed = Vec::new();
-        if let Some(min) = constraints.min_accuracy
-            && c.accuracy < min
-        {
-            failed.push(format!("accuracy {:.4} is below --min-accuracy {min}", c.accuracy));
+        if let Some(min) = constraints.min_accuracy {
+            match c.accuracy {
+                Some(a) if a < min => failed.push(format!("accuracy {a:.4} is below --min-accuracy {min}")),
+                Some(_) => {}
+                None => failed.push("no labelled rows to measure its accuracy on".into()),
+            }
+        }
+        if let Some(max) = constraints.max_agreement_loss {
+            match c.agreement {
+                Some(a) if 1.0 - a > max => failed.push(format!(
+                    "answers {:.4} of the rows unlike the reference, more than --max-agreement-loss {max}",
+                    1.0 - a
+                )),
+                Some(_) => {}
+                None => failed.push("no reference to measure its agreement against".into()),
+            }
         }
         if let Some(max) = constraints.max_p99_ms
             && c.latency.p99_us / 1e3 > max
@@ -190,10 +227,16 @@ pub fn recommend(candidates: &[Candidate], constraints: Constraints) -> Recommen
         Some(c) if constraints == Constraints::default() => {
             format!("the fastest (p50 {:.1} us); no constraint was given", c.latency.p50_us)
         }
-        Some(c) => format!(
-            "the fastest that meets every constraint: accuracy {:.4}, p50 {:.1} us, p99 {:.1} us",
-            c.accuracy, c.latency.p50_us, c.latency.p99_us
-        ),
+        Some(c) => {
+            let share = |s: Option<f64>| s.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into());
+            format!(
+                "the fastest that meets every constraint: accuracy {}, agreement {}, p50 {:.1} us, p99 {:.1} us",
+                share(c.accuracy),
+                share(c.agreement),
+                c.latency.p50_us,
+                c.latency.p99_us
+            )
+        }
         None => "no candidate meets every constraint; relax them or add a candidate".into(),
     };
     Recommendation { chosen: chosen.map(Candidate::id), why, rejected }
@@ -209,8 +252,9 @@ mod tests {
             version: "1".into(),
             quantization: "int8".into(),
             kernels: "integer".into(),
-            accuracy,
+            accuracy: Some(accuracy),
             manifest_accuracy: None,
+            agreement: None,
             latency: Latency { p50_us, p95_us: p99_us, p99_us },
             best_batch: 32,
             per_row_us_at_best_batch: 1.0,
@@ -242,14 +286,17 @@ mod tests {
         let mid = candidate("mid", 0.97, 20.0, 40.0, 2000);
         let large = candidate("large", 0.99, 50.0, 900.0, 9000);
         let all = [large.clone(), small.clone(), mid.clone()];
-        let r = recommend(&all, Constraints { min_accuracy: Some(0.96), max_p99_ms: None });
+        let r = recommend(&all, Constraints { min_accuracy: Some(0.96), ..Default::default() });
         assert_eq!(r.chosen.as_deref(), Some("mid:1"), "{r:?}");
         assert!(r.why.contains("accuracy 0.9700"), "{}", r.why);
         let reasons: std::collections::HashMap<_, _> = r.rejected.into_iter().collect();
         assert!(reasons["small:1"].contains("below --min-accuracy 0.96"), "{reasons:?}");
         assert!(reasons["large:1"].contains("costs more"), "{reasons:?}");
         // Both constraints: the accurate one is too slow in its tail.
-        let r = recommend(&all, Constraints { min_accuracy: Some(0.98), max_p99_ms: Some(0.5) });
+        let r = recommend(
+            &all,
+            Constraints { min_accuracy: Some(0.98), max_p99_ms: Some(0.5), max_agreement_loss: None },
+        );
         assert_eq!(r.chosen, None);
         assert!(r.why.contains("no candidate meets"), "{}", r.why);
         assert_eq!(r.rejected.len(), 3);
@@ -265,21 +312,53 @@ mod tests {
         let a = candidate("a", 0.97, 10.0, 20.0, 5000);
         let b = candidate("b", 0.97, 10.0, 20.0, 1000);
         let c = candidate("c", 0.97, 10.0, 20.0, 1000);
-        let r = recommend(&[a, c, b], Constraints { min_accuracy: Some(0.9), max_p99_ms: None });
+        let r = recommend(&[a, c, b], Constraints { min_accuracy: Some(0.9), ..Default::default() });
         assert_eq!(r.chosen.as_deref(), Some("b:1"));
         assert_eq!(r.rejected.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), ["c:1", "a:1"]);
     }
 
     #[test]
+    fn without_labels_candidates_are_judged_against_the_reference() {
+        let answers = |s: &str| s.chars().map(String::from).collect::<Vec<_>>();
+        let reference = answers("0123456789");
+        assert_eq!(agreement(&answers("0123456789"), &reference), 1.0);
+        assert_eq!(agreement(&answers("0123456700"), &reference), 0.8);
+        let labels = vec![Some("0".to_string()), None, Some("9".to_string())];
+        assert_eq!(accuracy(&answers("019"), &labels), Some(1.0));
+        assert_eq!(accuracy(&answers("010"), &labels), Some(0.5));
+        assert_eq!(accuracy(&answers("01"), &[None, None]), None);
+
+        let mut close = candidate("close", 0.0, 10.0, 20.0, 1000);
+        let mut far = candidate("far", 0.0, 5.0, 20.0, 1000);
+        let mut reference = candidate("reference", 0.0, 50.0, 90.0, 9000);
+        for (c, agreed) in [(&mut close, 0.97), (&mut far, 0.80), (&mut reference, 1.0)] {
+            c.accuracy = None;
+            c.agreement = Some(agreed);
+        }
+        let all = [far, close, reference];
+        let r = recommend(&all, Constraints { max_agreement_loss: Some(0.05), ..Default::default() });
+        assert_eq!(r.chosen.as_deref(), Some("close:1"), "{r:?}");
+        assert!(r.why.contains("agreement 0.9700"), "{}", r.why);
+        let reasons: std::collections::HashMap<_, _> = r.rejected.into_iter().collect();
+        assert!(reasons["far:1"].contains("0.2000 of the rows unlike the reference"), "{reasons:?}");
+        // Asking for accuracy without labels rejects every candidate, saying why.
+        let r = recommend(&all, Constraints { min_accuracy: Some(0.9), ..Default::default() });
+        assert_eq!(r.chosen, None);
+        assert!(r.rejected.iter().all(|(_, why)| why.contains("no labelled rows")), "{r:?}");
+    }
+
+    #[test]
     fn a_csv_row_out_of_shape_is_named_by_its_line() {
-        let ok = Labelled::parse_csv("# comment\n7,1,2,3\n\n1, 4 ,5,6\n", "d.csv").unwrap();
-        assert_eq!(ok.labels, ["7", "1"]);
+        let ok = Rows::parse_csv("# comment\n7,1,2,3\n\n, 4 ,5,6\n", "d.csv").unwrap();
+        assert_eq!(ok.labels, [Some("7".to_string()), None]);
         assert_eq!(ok.features[1], [4.0, 5.0, 6.0]);
-        assert_eq!(ok.width(), 3);
-        let e = Labelled::parse_csv("7,1,2,3\n1,4,5\n", "d.csv").unwrap_err();
+        assert_eq!((ok.width(), ok.labelled()), (3, 1));
+        let e = Rows::parse_csv("7,1,2,3\n1,4,5\n", "d.csv").unwrap_err();
         assert_eq!(e.to_string(), "d.csv line 2: 2 features where the first row has 3");
-        let e = Labelled::parse_csv("7,1,x\n", "d.csv").unwrap_err();
+        let e = Rows::parse_csv("7,1,x\n", "d.csv").unwrap_err();
         assert_eq!(e.to_string(), "d.csv line 1: feature 2 is \"x\", not a number");
-        assert!(matches!(Labelled::parse_csv("# only\n", "d.csv"), Err(DataError::Empty { .. })));
+        let e = Rows::parse_csv("7\n", "d.csv").unwrap_err();
+        assert_eq!(e.to_string(), "d.csv line 1: no features after the label");
+        assert!(matches!(Rows::parse_csv("# only\n", "d.csv"), Err(DataError::Empty { .. })));
     }
 }

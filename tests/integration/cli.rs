@@ -80,11 +80,12 @@ fn models_verify_reports_kernels_and_latency() {
 #[test]
 fn models_compare_recommends_the_fastest_model_that_is_accurate_enough() {
     let data = models_dir().join("heldout/digits.csv");
-    let compare = |extra: &[&str]| {
+    let compare_on = |data: &std::path::Path, extra: &[&str]| {
         let mut args = vec!["models", "compare", "--data", data.to_str().unwrap(), "--passes", "1"];
         args.extend_from_slice(extra);
         edgeinfer(&args, None, &[])
     };
+    let compare = |extra: &[&str]| compare_on(&data, extra);
     let out = compare(&["--min-accuracy", "0.96", "--json"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
@@ -136,6 +137,42 @@ fn models_compare_recommends_the_fastest_model_that_is_accurate_enough() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nosuch is not a loaded model version; loaded: digits:1"), "{err}");
+
+    // The same rows without their labels: judged against the largest
+    // candidate, the fastest that answers at most 5% of rows differently.
+    let dir = tempfile::tempdir().unwrap();
+    let unlabelled = dir.path().join("unlabelled.csv");
+    let rows: String = std::fs::read_to_string(&data)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!(",{}\n", l.split_once(',').unwrap().1))
+        .collect();
+    std::fs::write(&unlabelled, rows).unwrap();
+    let out = compare_on(&unlabelled, &["--max-agreement-loss", "0.05", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["labelled_rows"].as_u64(), report["reference"].as_str()),
+        (Some(0), Some("digits-large:1"))
+    );
+    let candidates = report["candidates"].as_array().unwrap();
+    let agreement = |i: usize| candidates[i]["agreement"].as_f64().unwrap();
+    assert!(candidates.iter().all(|c| c["accuracy"].is_null()), "{text}");
+    assert_eq!(agreement(2), 1.0, "the reference agrees with itself");
+    // Both small models are right on 96.9% of the rows and the large one on
+    // 98.9%, so they agree with it on at least 95.8%.
+    assert!(agreement(0) >= 0.958 && agreement(0) < 1.0, "{text}");
+    let chosen = report["recommendation"]["chosen"].as_str().unwrap();
+    let chosen = candidates.iter().find(|c| format!("{}:1", c["model"].as_str().unwrap()) == chosen).unwrap();
+    assert!(chosen["agreement"].as_f64().unwrap() >= 0.95);
+    assert!(candidates.iter().all(|c| p50(chosen) <= p50(c)), "{text}");
+
+    let out = compare_on(&unlabelled, &["--min-accuracy", "0.9"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has no labels") && err.contains("--max-agreement-loss"), "{err}");
 }
 
 #[test]

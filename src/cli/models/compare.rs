@@ -6,7 +6,9 @@
 use anyhow::{Context, Result, bail};
 use edgeinfer::config::Config;
 use edgeinfer::engine::{Cache, Engine, EngineOptions, Envelope};
-use edgeinfer::model::compare::{Candidate, Constraints, Labelled, Latency, Recommendation, recommend};
+use edgeinfer::model::compare::{
+    Candidate, Constraints, Latency, Recommendation, Rows, accuracy, agreement, recommend,
+};
 use edgeinfer::model::{LoadedModel, Registry};
 use edgeinfer::protocol::{Datatype, InferRequest, TensorData};
 use serde::Serialize;
@@ -21,10 +23,16 @@ pub struct CompareArgs {
     /// features as the data.
     #[arg(value_name = "NAME[:VERSION]")]
     candidates: Vec<String>,
-    /// Labelled rows: a CSV file with the label first, then the features,
-    /// one row per line; `#` lines are skipped (models/heldout/digits.csv).
+    /// Rows: a CSV file with the label first (left empty for a row without
+    /// one), then the features, one row per line; `#` lines are skipped
+    /// (models/heldout/digits.csv).
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
+    /// Also count, for every candidate, the rows it answers as this model
+    /// does (NAME or NAME:VERSION, loaded). Default, when no row has a
+    /// label: the candidate with the largest model file.
+    #[arg(long, value_name = "NAME[:VERSION]")]
+    reference: Option<String>,
     /// Passes over the data for the latency figures (each row one run of
     /// the batch-1 plan); the accuracy takes one.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -32,10 +40,14 @@ pub struct CompareArgs {
     /// Recommend only a candidate at least this accurate on the data (0 to 1).
     #[arg(long, value_name = "FRACTION")]
     min_accuracy: Option<f64>,
-    /// Recommend only a candidate whose p99, one request at a time, is at
-    /// most this many milliseconds.
+    /// Recommend only a candidate whose p99 latency per request is at most
+    /// this many milliseconds.
     #[arg(long, value_name = "MS")]
     max_p99_ms: Option<f64>,
+    /// Recommend only a candidate that answers at most this share of the
+    /// rows (0 to 1) differently from the reference.
+    #[arg(long, value_name = "FRACTION")]
+    max_agreement_loss: Option<f64>,
     /// Print the figures and the recommendation as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -45,6 +57,9 @@ pub struct CompareArgs {
 struct Report {
     data: String,
     rows: usize,
+    labelled_rows: usize,
+    /// `model:version` the agreement is measured against.
+    reference: Option<String>,
     passes: u32,
     constraints: Constraints,
     candidates: Vec<Candidate>,
@@ -53,18 +68,37 @@ struct Report {
 
 /// Exits 0 with a recommendation, 1 when no candidate meets the constraints.
 pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32> {
-    if let Some(a) = args.min_accuracy
-        && !(0.0..=1.0).contains(&a)
+    for (flag, share) in
+        [("--min-accuracy", args.min_accuracy), ("--max-agreement-loss", args.max_agreement_loss)]
     {
-        bail!("--min-accuracy {a}: use a fraction from 0 to 1 (0.96 for 96%)");
+        if let Some(a) = share
+            && !(0.0..=1.0).contains(&a)
+        {
+            bail!("{flag} {a}: use a fraction from 0 to 1 (0.96 for 96%)");
+        }
     }
     if let Some(ms) = args.max_p99_ms
         && (ms.is_nan() || ms <= 0.0)
     {
         bail!("--max-p99-ms {ms}: use a number of milliseconds above 0");
     }
-    let data = Labelled::read_csv(&args.data)?;
+    let data = Rows::read_csv(&args.data)?;
+    if data.labelled() == 0 && args.min_accuracy.is_some() {
+        bail!(
+            "{} has no labels, so --min-accuracy cannot be judged; use --max-agreement-loss, against \
+             --reference (default: the largest candidate)",
+            args.data.display()
+        );
+    }
     let chosen = candidates(&registry, &args.candidates, data.width())?;
+    let reference = match &args.reference {
+        Some(spec) => Some(one_version(&registry, spec, data.width())?),
+        None if data.labelled() == 0 => chosen.iter().max_by_key(|m| file_bytes(m).unwrap_or(0)).cloned(),
+        None => None,
+    };
+    if reference.is_none() && args.max_agreement_loss.is_some() {
+        bail!("--max-agreement-loss needs a reference model: name one with --reference");
+    }
     let engine = Engine::new(
         Arc::new(registry),
         // One request in flight: one inference thread per model is what runs it.
@@ -72,19 +106,33 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         Cache::off(),
     );
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let reference_answers = match &reference {
+        Some(model) => Some(answers(&rt, &engine, model, &data)?),
+        None => None,
+    };
     let mut measured = Vec::new();
     for (i, model) in chosen.iter().enumerate() {
         if !args.json {
             eprintln!("[{}/{}] {}:{} ...", i + 1, chosen.len(), model.name(), model.version());
         }
-        measured.push(measure(&rt, &engine, model, &data, args.passes)?);
+        let answered = answers(&rt, &engine, model, &data)?;
+        let mut candidate = measure(model, &data, args.passes)?;
+        candidate.accuracy = accuracy(&answered, &data.labels);
+        candidate.agreement = reference_answers.as_ref().map(|r| agreement(&answered, r));
+        measured.push(candidate);
     }
-    let constraints = Constraints { min_accuracy: args.min_accuracy, max_p99_ms: args.max_p99_ms };
+    let constraints = Constraints {
+        min_accuracy: args.min_accuracy,
+        max_p99_ms: args.max_p99_ms,
+        max_agreement_loss: args.max_agreement_loss,
+    };
     let recommendation = recommend(&measured, constraints);
     let found = recommendation.chosen.is_some();
     let report = Report {
         data: args.data.display().to_string(),
         rows: data.labels.len(),
+        labelled_rows: data.labelled(),
+        reference: reference.map(|m| format!("{}:{}", m.name(), m.version())),
         passes: args.passes,
         constraints,
         candidates: measured,
@@ -138,19 +186,39 @@ fn candidates(registry: &Registry, named: &[String], width: usize) -> Result<Vec
     Ok(chosen)
 }
 
-fn measure(
+/// One loaded version, `NAME` (the newest) or `NAME:VERSION`, taking rows of `width`.
+fn one_version(registry: &Registry, spec: &str, width: usize) -> Result<Arc<LoadedModel>> {
+    let (name, version) = match spec.split_once(':') {
+        Some((n, v)) => (n, Some(v)),
+        None => (spec, None),
+    };
+    let model = registry.get(name, version).map_err(|e| anyhow::anyhow!("--reference {spec}: {e}"))?;
+    if model.manifest.input.shape.get(1..) != Some(&[width as i64][..]) {
+        bail!(
+            "--reference {spec} takes input of shape {:?}, not rows of {width} features",
+            model.manifest.input.shape
+        );
+    }
+    Ok(model)
+}
+
+fn file_bytes(model: &LoadedModel) -> Result<u64> {
+    let file = model.dir.join(&model.manifest.file);
+    Ok(std::fs::metadata(&file).with_context(|| format!("reading {}", file.display()))?.len())
+}
+
+/// The label `model` gives each row, each row one request through the
+/// engine, as a device sends it.
+fn answers(
     rt: &tokio::runtime::Runtime,
     engine: &Engine,
     model: &LoadedModel,
-    data: &Labelled,
-    passes: u32,
-) -> Result<Candidate> {
+    data: &Rows,
+) -> Result<Vec<String>> {
     let (name, version) = (model.name(), model.version());
-    let envelope = || Envelope { version: Some(version), ..Envelope::model(name) };
     let width = data.width();
-    // Accuracy: each row one request through the engine, as a device sends it.
-    let mut correct = 0usize;
-    for (row, label) in data.features.iter().zip(&data.labels) {
+    let mut labels = Vec::with_capacity(data.features.len());
+    for row in &data.features {
         let mut req = InferRequest::single(
             "compare",
             &model.manifest.input.name,
@@ -159,21 +227,28 @@ fn measure(
             TensorData::F32(row.clone()),
         );
         req.parameters.cache = Some(false);
+        let envelope = Envelope { version: Some(version), ..Envelope::model(name) };
         let answer = rt
-            .block_on(engine.infer(envelope(), req))
+            .block_on(engine.infer(envelope, req))
             .map_err(|e| anyhow::anyhow!("{name}:{version} refused a row: {e}"))?;
-        let Some(answered) = answer.parameters.label else {
+        let Some(label) = answer.parameters.label else {
             bail!("{name}:{version} answers no label (not a classification model); compare needs labels");
         };
-        correct += usize::from(&answered == label);
+        labels.push(label);
     }
+    Ok(labels)
+}
+
+/// Everything but the answers: latency, batch cost, load time, size.
+fn measure(model: &LoadedModel, data: &Rows, passes: u32) -> Result<Candidate> {
+    let (name, version) = (model.name(), model.version());
     // Latency: the model's own work per request (the manifest's
     // preprocessing and the batch-1 plan) on this thread. The node's hand-off
     // to its inference thread is the same for every candidate and, at tens
     // of microseconds that depend on whether that thread was asleep, would
     // drown the difference between small models.
     let (preprocess, datatype) = (&model.manifest.preprocess, model.manifest.input.datatype);
-    let mut samples = Vec::with_capacity(data.labels.len() * passes as usize);
+    let mut samples = Vec::with_capacity(data.features.len() * passes as usize);
     for _ in 0..passes {
         for row in &data.features {
             let started = Instant::now();
@@ -188,36 +263,39 @@ fn measure(
     let per_row = model
         .time_per_item(best_batch, 200)
         .map_err(|e| anyhow::anyhow!("timing {name}:{version} at batch {best_batch}: {e}"))?;
-    let file = model.dir.join(&model.manifest.file);
-    let file_bytes = std::fs::metadata(&file).with_context(|| format!("reading {}", file.display()))?.len();
     let quantization = model.manifest.quantization.as_str();
     Ok(Candidate {
         model: name.to_string(),
         version: version.to_string(),
         quantization: quantization.to_string(),
         kernels: model.kernels.kind().to_string(),
-        accuracy: correct as f64 / data.labels.len() as f64,
+        accuracy: None,
         manifest_accuracy: model.manifest.accuracy.get(quantization).and_then(|v| v.as_float()),
+        agreement: None,
         latency: Latency::of(samples),
         best_batch,
         per_row_us_at_best_batch: per_row.as_secs_f64() * 1e6,
         load_ms: model.load_time.as_secs_f64() * 1e3,
-        file_bytes,
+        file_bytes: file_bytes(model)?,
     })
 }
 
 fn print_table(report: &Report) {
     println!(
-        "{} rows of {}, {} pass(es); latency: preprocessing and the batch-1 plan per request",
-        report.rows, report.data, report.passes
+        "{} rows of {} ({} labelled), {} pass(es); latency: preprocessing and the batch-1 plan per request",
+        report.rows, report.data, report.labelled_rows, report.passes
     );
+    if let Some(reference) = &report.reference {
+        println!("agreement: the share of rows answered as {reference} answers them");
+    }
     println!(
-        "{:<20} {:<5} {:<8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>14} {:>8} {:>9}",
+        "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>14} {:>8} {:>9}",
         "CANDIDATE",
         "QUANT",
         "KERNELS",
         "ACCURACY",
         "MANIFEST",
+        "AGREE",
         "P50 US",
         "P95 US",
         "P99 US",
@@ -225,14 +303,16 @@ fn print_table(report: &Report) {
         "LOAD MS",
         "FILE KB"
     );
+    let share = |s: Option<f64>| s.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into());
     for c in &report.candidates {
         println!(
-            "{:<20} {:<5} {:<8} {:>8.4} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>14} {:>8.1} {:>9.1}",
+            "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>14} {:>8.1} {:>9.1}",
             c.id(),
             c.quantization,
             c.kernels,
-            c.accuracy,
-            c.manifest_accuracy.map(|a| format!("{a:.4}")).unwrap_or_else(|| "-".into()),
+            share(c.accuracy),
+            share(c.manifest_accuracy),
+            share(c.agreement),
             c.latency.p50_us,
             c.latency.p95_us,
             c.latency.p99_us,
