@@ -97,9 +97,9 @@ pub fn client_options(
         .set_receive_maximum(Some(max_in_flight))
         // Our own unacknowledged publishes: replies to the requests in
         // flight, follow-ups and the status. rumqttc keeps a slot per
-        // allowed one (216 bytes each, touched as packet ids cycle): its
-        // default of 65,535 grew to 14 MB resident under load; more wait
-        // in the outbox.
+        // allowed one (216 bytes each, all written when it creates the
+        // client): its default of 65,535 held 14 MB resident from the
+        // start; more wait in the outbox.
         .set_outgoing_inflight_upper_limit(max_in_flight.saturating_add(OWN_PUBLISHES_BEYOND_REPLIES))
         .set_max_packet_size(Some(max_packet))
         .set_request_channel_capacity(4096)
