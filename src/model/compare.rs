@@ -89,6 +89,11 @@ pub fn accuracy(answers: &[String], labels: &[Option<String>]) -> Option<f64> {
     (!judged.is_empty()).then(|| judged.iter().filter(|&&ok| ok).count() as f64 / judged.len() as f64)
 }
 
+/// A share to four places, or `-` where there is none.
+pub fn share_text(share: Option<f64>) -> String {
+    share.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into())
+}
+
 /// The share of rows on which two candidates gave the same answer.
 pub fn agreement(answers: &[String], reference: &[String]) -> f64 {
     let same = answers.iter().zip(reference).filter(|(a, r)| a == r).count();
@@ -205,38 +210,33 @@ pub fn recommend(candidates: &[Candidate], constraints: Constraints) -> Recommen
             .then(a.file_bytes.cmp(&b.file_bytes))
             .then_with(|| a.id().cmp(&b.id()))
     });
-    let chosen = order.iter().copied().find(|c| failures(c).is_empty());
-    let rejected = order
+    let judged: Vec<(&Candidate, Vec<String>)> = order.into_iter().map(|c| (c, failures(c))).collect();
+    let chosen = judged.iter().find(|(_, failed)| failed.is_empty()).map(|&(c, _)| c);
+    let rejected = judged
         .iter()
-        .filter(|c| chosen.is_none_or(|chosen| !std::ptr::eq(**c, chosen)))
-        .map(|c| {
-            let failed = failures(c);
-            let reason = if failed.is_empty() {
-                let chosen = chosen.expect("a candidate meeting every constraint was chosen");
+        .filter_map(|(c, failed)| match chosen {
+            Some(chosen) if std::ptr::eq(*c, chosen) => None,
+            Some(chosen) if failed.is_empty() => Some((
+                c.id(),
                 format!(
                     "meets the constraints but costs more: p50 {:.1} us against {:.1} us",
                     c.latency.p50_us, chosen.latency.p50_us
-                )
-            } else {
-                failed.join("; ")
-            };
-            (c.id(), reason)
+                ),
+            )),
+            _ => Some((c.id(), failed.join("; "))),
         })
         .collect();
     let why = match chosen {
         Some(c) if constraints == Constraints::default() => {
             format!("the fastest (p50 {:.1} us); no constraint was given", c.latency.p50_us)
         }
-        Some(c) => {
-            let share = |s: Option<f64>| s.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into());
-            format!(
-                "the fastest that meets every constraint: accuracy {}, agreement {}, p50 {:.1} us, p99 {:.1} us",
-                share(c.accuracy),
-                share(c.agreement),
-                c.latency.p50_us,
-                c.latency.p99_us
-            )
-        }
+        Some(c) => format!(
+            "the fastest that meets every constraint: accuracy {}, agreement {}, p50 {:.1} us, p99 {:.1} us",
+            share_text(c.accuracy),
+            share_text(c.agreement),
+            c.latency.p50_us,
+            c.latency.p99_us
+        ),
         None => "no candidate meets every constraint; relax them or add a candidate".into(),
     };
     Recommendation { chosen: chosen.map(Candidate::id), why, rejected }

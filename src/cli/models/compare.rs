@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use edgeinfer::config::Config;
 use edgeinfer::engine::{Cache, Engine, EngineOptions, Envelope};
 use edgeinfer::model::compare::{
-    Candidate, Constraints, Latency, Recommendation, Rows, accuracy, agreement, recommend,
+    Candidate, Constraints, Latency, Recommendation, Rows, accuracy, agreement, recommend, share_text,
 };
 use edgeinfer::model::{LoadedModel, Registry};
 use edgeinfer::protocol::{Datatype, InferRequest, TensorData};
@@ -106,20 +106,27 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         Cache::off(),
     );
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let reference_answers = match &reference {
-        Some(model) => Some(answers(&rt, &engine, model, &data)?),
-        None => None,
-    };
     let mut measured = Vec::new();
+    let mut answered = Vec::new();
     for (i, model) in chosen.iter().enumerate() {
         if !args.json {
-            eprintln!("[{}/{}] {}:{} ...", i + 1, chosen.len(), model.name(), model.version());
+            eprintln!("[{}/{}] {} ...", i + 1, chosen.len(), id(model));
         }
-        let answered = answers(&rt, &engine, model, &data)?;
+        let labels = answers(&rt, &engine, model, &data)?;
         let mut candidate = measure(model, &data, args.passes)?;
-        candidate.accuracy = accuracy(&answered, &data.labels);
-        candidate.agreement = reference_answers.as_ref().map(|r| agreement(&answered, r));
+        candidate.accuracy = accuracy(&labels, &data.labels);
         measured.push(candidate);
+        answered.push(labels);
+    }
+    if let Some(reference) = &reference {
+        // The default reference is a candidate: its answers are in hand.
+        let theirs = match chosen.iter().position(|m| Arc::ptr_eq(m, reference)) {
+            Some(i) => answered[i].clone(),
+            None => answers(&rt, &engine, reference, &data)?,
+        };
+        for (candidate, ours) in measured.iter_mut().zip(&answered) {
+            candidate.agreement = Some(agreement(ours, &theirs));
+        }
     }
     let constraints = Constraints {
         min_accuracy: args.min_accuracy,
@@ -132,7 +139,7 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         data: args.data.display().to_string(),
         rows: data.labels.len(),
         labelled_rows: data.labelled(),
-        reference: reference.map(|m| format!("{}:{}", m.name(), m.version())),
+        reference: reference.as_deref().map(id),
         passes: args.passes,
         constraints,
         candidates: measured,
@@ -148,31 +155,25 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
 
 /// The loaded versions named (or all that take rows of `width` features).
 fn candidates(registry: &Registry, named: &[String], width: usize) -> Result<Vec<Arc<LoadedModel>>> {
-    let takes_width = |m: &LoadedModel| m.manifest.input.shape.get(1..) == Some(&[width as i64][..]);
     let chosen: Vec<Arc<LoadedModel>> = if named.is_empty() {
-        registry.all().filter(|m| takes_width(m)).cloned().collect()
+        registry.all().filter(|m| takes_rows_of(m, width)).cloned().collect()
     } else {
         let mut chosen = Vec::new();
         for spec in named {
-            let (name, version) = match spec.split_once(':') {
-                Some((n, v)) => (n, Some(v)),
-                None => (spec.as_str(), None),
-            };
+            let (name, version) = name_and_version(spec);
             let versions: Vec<_> = registry
                 .all()
                 .filter(|m| m.name() == name && version.is_none_or(|v| m.version() == v))
                 .cloned()
                 .collect();
             if versions.is_empty() {
-                let loaded: Vec<String> =
-                    registry.all().map(|m| format!("{}:{}", m.name(), m.version())).collect();
+                let loaded: Vec<String> = registry.all().map(|m| id(m)).collect();
                 bail!("{spec} is not a loaded model version; loaded: {}", loaded.join(", "));
             }
-            if let Some(m) = versions.iter().find(|m| !takes_width(m)) {
+            if let Some(m) = versions.iter().find(|m| !takes_rows_of(m, width)) {
                 bail!(
-                    "{}:{} takes input of shape {:?}, not rows of the data's {width} features",
-                    m.name(),
-                    m.version(),
+                    "{} takes input of shape {:?}, not rows of the data's {width} features",
+                    id(m),
                     m.manifest.input.shape
                 );
             }
@@ -188,18 +189,33 @@ fn candidates(registry: &Registry, named: &[String], width: usize) -> Result<Vec
 
 /// One loaded version, `NAME` (the newest) or `NAME:VERSION`, taking rows of `width`.
 fn one_version(registry: &Registry, spec: &str, width: usize) -> Result<Arc<LoadedModel>> {
-    let (name, version) = match spec.split_once(':') {
-        Some((n, v)) => (n, Some(v)),
-        None => (spec, None),
-    };
+    let (name, version) = name_and_version(spec);
     let model = registry.get(name, version).map_err(|e| anyhow::anyhow!("--reference {spec}: {e}"))?;
-    if model.manifest.input.shape.get(1..) != Some(&[width as i64][..]) {
+    if !takes_rows_of(&model, width) {
         bail!(
             "--reference {spec} takes input of shape {:?}, not rows of {width} features",
             model.manifest.input.shape
         );
     }
     Ok(model)
+}
+
+/// `NAME:VERSION` as its two parts; a bare `NAME` has no version.
+fn name_and_version(spec: &str) -> (&str, Option<&str>) {
+    match spec.split_once(':') {
+        Some((name, version)) => (name, Some(version)),
+        None => (spec, None),
+    }
+}
+
+/// Whether the model's input is rows of `width` features.
+fn takes_rows_of(model: &LoadedModel, width: usize) -> bool {
+    model.manifest.input.shape.get(1..) == Some(&[width as i64][..])
+}
+
+/// `name:version`, as the report names a candidate.
+fn id(model: &LoadedModel) -> String {
+    format!("{}:{}", model.name(), model.version())
 }
 
 fn file_bytes(model: &LoadedModel) -> Result<u64> {
@@ -303,16 +319,15 @@ fn print_table(report: &Report) {
         "LOAD MS",
         "FILE KB"
     );
-    let share = |s: Option<f64>| s.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into());
     for c in &report.candidates {
         println!(
             "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>14} {:>8.1} {:>9.1}",
             c.id(),
             c.quantization,
             c.kernels,
-            share(c.accuracy),
-            share(c.manifest_accuracy),
-            share(c.agreement),
+            share_text(c.accuracy),
+            share_text(c.manifest_accuracy),
+            share_text(c.agreement),
             c.latency.p50_us,
             c.latency.p95_us,
             c.latency.p99_us,
