@@ -242,3 +242,91 @@ fn models_profile_reports_kernels_and_our_integer_ops_by_node() {
     assert!(text.contains("kernels: integer (2 on edgeinfer integer ops, 0 on tract"), "{text}");
     assert_eq!(text.matches("edgeinfer.QDense").count(), 2, "{text}");
 }
+
+/// Chromium, where this machine has it (Debian's `chromium`).
+fn chromium() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// Runs headless Chromium on `url` with `args`, in a new empty profile and
+/// without the background connections a closed network refuses.
+fn headless(chromium: &std::path::Path, profile: &std::path::Path, args: &[&str], url: &str) -> Output {
+    let out = Command::new(chromium)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
+        .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chromium {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+#[test]
+fn models_compare_writes_a_report_that_chromium_renders_with_its_charts_and_recommendation() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report");
+    let data = models_dir().join("heldout/digits.csv");
+    let args = ["models", "compare", "--data", data.to_str().unwrap(), "--passes", "1"];
+    let out = edgeinfer(
+        &[&args[..], &["--min-accuracy", "0.96", "--json", "--report", report.to_str().unwrap()]].concat(),
+        None,
+        &[],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chosen = json["recommendation"]["chosen"].as_str().unwrap().to_string();
+    let page = std::fs::read_to_string(report.join("index.html")).unwrap();
+    // Self-contained: nothing for the browser to fetch.
+    for outside in ["<script", "<link", " src=", "<img", "url("] {
+        assert!(!page.contains(outside), "the report refers to an outside file ({outside})");
+    }
+    let section =
+        page.split("<section id=\"recommendation\">").nth(1).unwrap().split("</section>").next().unwrap();
+    assert!(section.contains(&format!("<strong>{chosen}</strong>")), "{section}");
+    assert!(section.contains("not digits-large:1: meets the constraints but costs more"), "{section}");
+    assert_eq!(page.matches("<svg").count(), 2, "two charts");
+    for id in ["digits:1", "digits-f32:1", "digits-large:1", "Pareto front", "recommended"] {
+        assert!(page.contains(id), "no {id} in the page");
+    }
+
+    let Some(chromium) = chromium() else {
+        return crate::skipped(
+            "chromium is not installed (apt-get install chromium): the report is not rendered",
+        );
+    };
+    let url = format!("file://{}", report.join("index.html").display());
+    let profile = dir.path().join("profile");
+    // The page as Chromium parsed it: both charts are in its DOM.
+    let dom = headless(&chromium, &profile, &["--dump-dom"], &url);
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert_eq!(dom.matches("<svg").count(), 2, "{dom}");
+    assert!(dom.contains("<circle"), "the scatter's points");
+    // The screenshot shows them: the recommendation's green band, the
+    // Pareto front's blue line and the green ring round the chosen model.
+    let shot = dir.path().join("report.png");
+    headless(
+        &chromium,
+        &profile,
+        &["--window-size=1100,1500", "--hide-scrollbars", &format!("--screenshot={}", shot.display())],
+        &url,
+    );
+    let mut decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).unwrap()));
+    decoder.set_transformations(png::Transformations::EXPAND);
+    let mut reader = decoder.read_info().unwrap();
+    let mut pixels = vec![0; reader.output_buffer_size()];
+    let frame = reader.next_frame(&mut pixels).unwrap();
+    assert_eq!((frame.width, frame.height), (1100, 1500));
+    let step = frame.color_type.samples();
+    let count = |rgb: [u8; 3]| pixels[..frame.buffer_size()].chunks(step).filter(|p| p[..3] == rgb).count();
+    let (band, front, ring) = (count([0xe6, 0xf4, 0xea]), count([0, 0, 255]), count([0, 255, 0]));
+    assert!(band > 5_000, "the recommendation's band: {band} pixels");
+    assert!(front > 100, "the Pareto front: {front} pixels");
+    assert!(ring > 30, "the recommended model's ring: {ring} pixels");
+    let white = count([255, 255, 255]);
+    assert!(white < 1100 * 1500 * 9 / 10, "the page is mostly blank: {white} white pixels");
+}

@@ -7,11 +7,10 @@ use anyhow::{Context, Result, bail};
 use edgeinfer::config::Config;
 use edgeinfer::engine::{Cache, Engine, EngineOptions, Envelope};
 use edgeinfer::model::compare::{
-    Candidate, Constraints, Latency, Recommendation, Rows, accuracy, agreement, recommend, share_text,
+    Candidate, Comparison, Constraints, Latency, Rows, accuracy, agreement, html, recommend, share_text,
 };
 use edgeinfer::model::{LoadedModel, Registry};
 use edgeinfer::protocol::{Datatype, InferRequest, TensorData};
-use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,19 +50,10 @@ pub struct CompareArgs {
     /// Print the figures and the recommendation as JSON instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Serialize)]
-struct Report {
-    data: String,
-    rows: usize,
-    labelled_rows: usize,
-    /// `model:version` the agreement is measured against.
-    reference: Option<String>,
-    passes: u32,
-    constraints: Constraints,
-    candidates: Vec<Candidate>,
-    recommendation: Recommendation,
+    /// Also write DIR/index.html: one self-contained page (no external
+    /// files) with the recommendation, the figures and two charts.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
 }
 
 /// Exits 0 with a recommendation, 1 when no candidate meets the constraints.
@@ -135,7 +125,7 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
     };
     let recommendation = recommend(&measured, constraints);
     let found = recommendation.chosen.is_some();
-    let report = Report {
+    let comparison = Comparison {
         data: args.data.display().to_string(),
         rows: data.labels.len(),
         labelled_rows: data.labelled(),
@@ -145,10 +135,18 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         candidates: measured,
         recommendation,
     };
+    if let Some(dir) = &args.report {
+        std::fs::create_dir_all(dir).with_context(|| format!("--report {}: creating it", dir.display()))?;
+        let page = dir.join("index.html");
+        std::fs::write(&page, html(&comparison)).with_context(|| format!("writing {}", page.display()))?;
+        if !args.json {
+            eprintln!("report: {}", page.display());
+        }
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{}", serde_json::to_string_pretty(&comparison)?);
     } else {
-        print_table(&report);
+        print_table(&comparison);
     }
     Ok(if found { 0 } else { 1 })
 }
@@ -296,7 +294,7 @@ fn measure(model: &LoadedModel, data: &Rows, passes: u32) -> Result<Candidate> {
     })
 }
 
-fn print_table(report: &Report) {
+fn print_table(report: &Comparison) {
     println!(
         "{} rows of {} ({} labelled), {} pass(es); latency: preprocessing and the batch-1 plan per request",
         report.rows, report.data, report.labelled_rows, report.passes

@@ -5,82 +5,13 @@
 //! other one was not chosen. The measuring itself runs the node's engine
 //! and lives with the command.
 
+mod report;
+mod rows;
+
+pub use report::html;
+pub use rows::{DataError, Rows};
 use serde::Serialize;
-use std::path::Path;
 use std::time::Duration;
-
-/// Rows from a CSV file: the label first (empty when the row has none),
-/// then the features, one row per line; lines starting with `#` and blank
-/// lines are skipped (`models/heldout/digits.csv`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Rows {
-    pub labels: Vec<Option<String>>,
-    pub features: Vec<Vec<f32>>,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq)]
-pub enum DataError {
-    #[error("cannot read {path}: {reason}")]
-    Read { path: String, reason: String },
-    #[error("{path} line {line}: {reason}")]
-    Row { path: String, line: usize, reason: String },
-    #[error(
-        "{path} has no rows; it needs one per line: the label (or nothing), then the features, comma-separated"
-    )]
-    Empty { path: String },
-}
-
-impl Rows {
-    pub fn read_csv(path: &Path) -> Result<Rows, DataError> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| DataError::Read { path: shown.clone(), reason: e.to_string() })?;
-        Rows::parse_csv(&text, &shown)
-    }
-
-    pub fn parse_csv(text: &str, path: &str) -> Result<Rows, DataError> {
-        let mut data = Rows { labels: Vec::new(), features: Vec::new() };
-        for (i, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let bad = |reason: String| DataError::Row { path: path.to_string(), line: i + 1, reason };
-            let mut fields = line.split(',').map(str::trim);
-            let label = fields.next().filter(|l| !l.is_empty());
-            let row = fields
-                .enumerate()
-                .map(|(j, f)| {
-                    f.parse::<f32>().map_err(|_| bad(format!("feature {} is {f:?}, not a number", j + 1)))
-                })
-                .collect::<Result<Vec<f32>, _>>()?;
-            if let Some(first) = data.features.first()
-                && first.len() != row.len()
-            {
-                return Err(bad(format!("{} features where the first row has {}", row.len(), first.len())));
-            }
-            if row.is_empty() {
-                return Err(bad("no features after the label".into()));
-            }
-            data.labels.push(label.map(str::to_string));
-            data.features.push(row);
-        }
-        if data.labels.is_empty() {
-            return Err(DataError::Empty { path: path.to_string() });
-        }
-        Ok(data)
-    }
-
-    /// Features per row.
-    pub fn width(&self) -> usize {
-        self.features[0].len()
-    }
-
-    /// Rows that carry a label.
-    pub fn labelled(&self) -> usize {
-        self.labels.iter().flatten().count()
-    }
-}
 
 /// The share of the labelled rows `answers` got right; `None` without labels.
 pub fn accuracy(answers: &[String], labels: &[Option<String>]) -> Option<f64> {
@@ -110,19 +41,42 @@ pub fn percentile(sorted: &[Duration], q: f64) -> Duration {
 }
 
 /// Latency per request, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Latency {
     pub p50_us: f64,
     pub p95_us: f64,
     pub p99_us: f64,
+    /// The value at each whole percent, 1 to 100: the distribution the
+    /// report draws.
+    pub percentiles_us: Vec<f64>,
 }
 
 impl Latency {
     pub fn of(mut samples: Vec<Duration>) -> Latency {
         samples.sort_unstable();
         let us = |q| percentile(&samples, q).as_secs_f64() * 1e6;
-        Latency { p50_us: us(0.50), p95_us: us(0.95), p99_us: us(0.99) }
+        Latency {
+            p50_us: us(0.50),
+            p95_us: us(0.95),
+            p99_us: us(0.99),
+            percentiles_us: (1..=100).map(|p| us(p as f64 / 100.0)).collect(),
+        }
     }
+}
+
+/// Everything `models compare` found: what `--json` prints and the
+/// report shows.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    pub data: String,
+    pub rows: usize,
+    pub labelled_rows: usize,
+    /// `model:version` the agreement is measured against.
+    pub reference: Option<String>,
+    pub passes: u32,
+    pub constraints: Constraints,
+    pub candidates: Vec<Candidate>,
+    pub recommendation: Recommendation,
 }
 
 /// What was measured of one candidate.
@@ -230,13 +184,16 @@ pub fn recommend(candidates: &[Candidate], constraints: Constraints) -> Recommen
         Some(c) if constraints == Constraints::default() => {
             format!("the fastest (p50 {:.1} us); no constraint was given", c.latency.p50_us)
         }
-        Some(c) => format!(
-            "the fastest that meets every constraint: accuracy {}, agreement {}, p50 {:.1} us, p99 {:.1} us",
-            share_text(c.accuracy),
-            share_text(c.agreement),
-            c.latency.p50_us,
-            c.latency.p99_us
-        ),
+        Some(c) => {
+            let quality = [("accuracy", c.accuracy), ("agreement", c.agreement)]
+                .into_iter()
+                .filter_map(|(name, share)| share.map(|s| format!("{name} {s:.4}, ")))
+                .collect::<String>();
+            format!(
+                "the fastest that meets every constraint: {quality}p50 {:.1} us, p99 {:.1} us",
+                c.latency.p50_us, c.latency.p99_us
+            )
+        }
         None => "no candidate meets every constraint; relax them or add a candidate".into(),
     };
     Recommendation { chosen: chosen.map(Candidate::id), why, rejected }
@@ -255,7 +212,7 @@ mod tests {
             accuracy: Some(accuracy),
             manifest_accuracy: None,
             agreement: None,
-            latency: Latency { p50_us, p95_us: p99_us, p99_us },
+            latency: Latency { p50_us, p95_us: p99_us, p99_us, percentiles_us: vec![p50_us, p99_us] },
             best_batch: 32,
             per_row_us_at_best_batch: 1.0,
             load_ms: 1.0,
@@ -345,20 +302,5 @@ mod tests {
         let r = recommend(&all, Constraints { min_accuracy: Some(0.9), ..Default::default() });
         assert_eq!(r.chosen, None);
         assert!(r.rejected.iter().all(|(_, why)| why.contains("no labelled rows")), "{r:?}");
-    }
-
-    #[test]
-    fn a_csv_row_out_of_shape_is_named_by_its_line() {
-        let ok = Rows::parse_csv("# comment\n7,1,2,3\n\n, 4 ,5,6\n", "d.csv").unwrap();
-        assert_eq!(ok.labels, [Some("7".to_string()), None]);
-        assert_eq!(ok.features[1], [4.0, 5.0, 6.0]);
-        assert_eq!((ok.width(), ok.labelled()), (3, 1));
-        let e = Rows::parse_csv("7,1,2,3\n1,4,5\n", "d.csv").unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 2: 2 features where the first row has 3");
-        let e = Rows::parse_csv("7,1,x\n", "d.csv").unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 1: feature 2 is \"x\", not a number");
-        let e = Rows::parse_csv("7\n", "d.csv").unwrap_err();
-        assert_eq!(e.to_string(), "d.csv line 1: no features after the label");
-        assert!(matches!(Rows::parse_csv("# only\n", "d.csv"), Err(DataError::Empty { .. })));
     }
 }
