@@ -26,6 +26,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub telemetry: TelemetryConfig,
     pub cache: CacheConfig,
+    pub capture: CaptureConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -247,6 +248,27 @@ impl Default for CacheConfig {
             disk_read_timeout_ms: 5,
             disk_page_cache_bytes: 4 * 1024 * 1024,
         }
+    }
+}
+
+/// Capture of real inputs for `models compare`: off by default, since the
+/// inputs devices send may be private. When on, a sampled share of the
+/// one-row requests answered, with the answer given and the cloud's label
+/// where the cloud tier answered, go to `node.state_dir/capture.jsonl`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CaptureConfig {
+    pub enabled: bool,
+    /// The share of answered requests kept, 0 to 1.
+    pub rate: f64,
+    /// The file holds at most this many records and bytes; then capture stops.
+    pub max_records: u64,
+    pub max_bytes: u64,
+}
+
+impl Default for CaptureConfig {
+    fn default() -> Self {
+        CaptureConfig { enabled: false, rate: 0.1, max_records: 100_000, max_bytes: 64 * 1024 * 1024 }
     }
 }
 
@@ -685,6 +707,21 @@ impl Config {
                 "node.drain_timeout_s",
                 format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s),
             );
+        }
+        let capture = &self.capture;
+        if !(0.0..=1.0).contains(&capture.rate) {
+            return bad(
+                "capture.rate",
+                format!("{}: use a share from 0 to 1 (0.1 keeps one request in ten)", capture.rate),
+            );
+        }
+        if capture.max_records == 0 || capture.max_bytes < 4096 {
+            let (key, value) = if capture.max_records == 0 {
+                ("capture.max_records", capture.max_records)
+            } else {
+                ("capture.max_bytes", capture.max_bytes)
+            };
+            return bad(key, format!("{value}: use at least 1 record and 4096 bytes"));
         }
         if self.cache.sweep_interval_s == 0 {
             return bad("cache.sweep_interval_s", "0: use at least 1 second".into());

@@ -5,7 +5,7 @@
 
 use crate::cloud::{Cloud, CloudError, CloudOptions, spool};
 use crate::config::Config;
-use crate::engine::{Cache, CacheOptions, CloudTier, Engine, EngineOptions};
+use crate::engine::{Cache, CacheOptions, Capture, CaptureOptions, CloudTier, Engine, EngineOptions};
 use crate::lifecycle::{self, Heartbeat, Notifier, ReloadSource, Signal};
 use crate::model::Registry;
 use crate::telemetry::{self, Status, unix_now};
@@ -99,6 +99,12 @@ impl Node {
                 tracing::info!("cloud tier: {} (escalating below each model's threshold)", config.cloud.url);
             }
             None => tracing::info!("cloud tier off (cloud.enabled = false): no request leaves this node"),
+        }
+        if let Some(options) = CaptureOptions::from_config(&config) {
+            match Capture::start(options) {
+                Ok(capture) => engine = engine.with_capture(capture),
+                Err(e) => tracing::error!("{e}; serving without capture"),
+            }
         }
         let engine = Arc::new(engine);
         if let Some((cloud, task)) = spool_task {

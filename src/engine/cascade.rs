@@ -10,8 +10,7 @@ use super::postprocess::{self, EdgeAnswer};
 use crate::cloud::{Cloud, CloudError, Spool, SpoolEntry};
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::{
-    Confidence, Encoding, Enrich, FollowUpTo, InferError, InferRequest, InferResponse, ReplyRoute, ServedBy,
-    Tier,
+    Confidence, Enrich, FollowUpTo, InferError, InferRequest, InferResponse, ServedBy, Tier,
 };
 use crate::telemetry;
 use std::future::Future;
@@ -282,13 +281,14 @@ async fn spool_escalation(
 }
 
 /// The reply that ends an async escalation: the cloud's answer, or the
-/// edge's marked degraded when the cloud will not give one.
+/// edge's marked degraded when the cloud will not give one; with the
+/// request it answers.
 pub fn finish(
     model: Option<&LoadedModel>,
     entry: &SpoolEntry,
     cloud: Option<InferResponse>,
     node: &str,
-) -> Option<(ReplyRoute, Vec<u8>)> {
+) -> Option<(InferRequest, InferResponse)> {
     let req: InferRequest = serde_json::from_slice(&entry.request).ok()?;
     let edge: InferResponse = serde_json::from_slice(&entry.edge).ok()?;
     let cloud = match (model, cloud) {
@@ -304,6 +304,5 @@ pub fn finish(
     };
     reply.id = req.id.clone();
     reply.parameters.is_final = Some(true);
-    let encoding = Encoding::from_content_type(entry.route.content_type.as_deref());
-    Some((entry.route.clone(), crate::protocol::codec::encode_reply(&req.id, Ok(reply), encoding)))
+    Some((req, reply))
 }

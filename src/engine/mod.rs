@@ -1,10 +1,11 @@
 //! The request pipeline every transport shares. `Engine::run` reads as its
 //! stages, each in the file named after it:
 //! decode -> resolve -> preprocess -> cache -> batch/run -> postprocess ->
-//! cascade -> store -> encode.
+//! cascade -> capture -> store -> encode.
 
 mod batch;
 pub mod cache;
+mod capture;
 mod cascade;
 mod deadline;
 mod decode;
@@ -19,6 +20,7 @@ mod stats;
 
 pub use batch::BatchPolicy;
 pub use cache::{Cache, CacheOptions};
+pub use capture::{Capture, CaptureError, CaptureOptions};
 pub use cascade::{CascadePolicy, CloudTier};
 pub use decode::{Decoded, Peek, peek};
 pub use envelope::Envelope;
@@ -73,6 +75,8 @@ pub struct Engine {
     cache: Cache,
     /// The cloud tier, when `cloud.enabled`.
     cloud_tier: Option<CloudTier>,
+    /// The capture of real inputs, when `capture.enabled`.
+    capture: Option<Capture>,
     stats: Stats,
     /// Why the last reload was refused, and the changed settings that wait
     /// for a restart, for the status.
@@ -96,6 +100,7 @@ impl Engine {
             current: RwLock::new(Arc::new(Generation::start(registry, options, None)?)),
             cache,
             cloud_tier: None,
+            capture: None,
             stats: Stats::start(),
             reload_outcome: Default::default(),
         })
@@ -104,6 +109,12 @@ impl Engine {
     /// Escalates to the cloud tier from now on.
     pub fn with_cloud_tier(mut self, cloud_tier: CloudTier) -> Engine {
         self.cloud_tier = Some(cloud_tier);
+        self
+    }
+
+    /// Captures a sample of the answered requests from now on.
+    pub fn with_capture(mut self, capture: Capture) -> Engine {
+        self.capture = Some(capture);
         self
     }
 
@@ -199,6 +210,12 @@ impl Engine {
                     postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
                 };
                 let response = cascade.answer(model, &req, edge).await?;
+                // A provisional answer is not kept: the cloud's follows it.
+                if let Some(capture) = &self.capture
+                    && response.parameters.is_final != Some(false)
+                {
+                    capture.offer(model, &req, &response);
+                }
                 self.cache.store(ticket, &response);
                 Ok(response)
             })
@@ -278,7 +295,13 @@ impl Engine {
                 let model = generation.registry.get(&entry.model, None).ok();
                 let node = &generation.options.node_id;
                 match cascade::finish(model.as_deref(), &entry, cloud, node) {
-                    Some((route, payload)) => {
+                    Some((req, reply)) => {
+                        if let (Some(capture), Some(model)) = (&engine.capture, &model) {
+                            capture.offer(model, &req, &reply);
+                        }
+                        let route = entry.route.clone();
+                        let encoding = Encoding::from_content_type(route.content_type.as_deref());
+                        let payload = codec::encode_reply(&req.id, Ok(reply), encoding);
                         if let Some(first) = after {
                             // The transport hands the provisional reply on
                             // right after the pipeline returns: moments.

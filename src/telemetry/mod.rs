@@ -89,6 +89,10 @@ pub const CLOUD_SPOOL_DROPPED: &str = "edgeinfer_cloud_spool_dropped_total";
 /// Escalations the cloud answered, by `model` and `agree` (`true` when the
 /// cloud's label is the edge's): the agreement rate.
 pub const CLOUD_AGREEMENT: &str = "edgeinfer_cloud_agreement_total";
+/// Requests written to the capture file (`capture.enabled`).
+pub const CAPTURE_RECORDS: &str = "edgeinfer_capture_records_total";
+/// Sampled requests not captured, by `reason`: `busy` (the writer lagged).
+pub const CAPTURE_DROPPED: &str = "edgeinfer_capture_dropped_total";
 /// Answers marked `degraded` (the cloud was wanted but not used), by `model`.
 pub const CLOUD_DEGRADED: &str = "edgeinfer_cloud_degraded_total";
 
@@ -221,6 +225,11 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_counter!(
         CLOUD_AGREEMENT,
         "Escalations answered by the cloud, by edge/cloud label agreement"
+    );
+    metrics::describe_counter!(CAPTURE_RECORDS, "Requests written to the capture file");
+    metrics::describe_counter!(
+        CAPTURE_DROPPED,
+        "Sampled requests not captured, by reason: busy (the capture writer lagged)"
     );
     metrics::describe_counter!(CLOUD_DEGRADED, "Answers from the edge although the cloud was wanted");
     metrics::gauge!(

@@ -5,7 +5,7 @@ use serde_json::Value;
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
-fn edgeinfer(args: &[&str], stdin: Option<&[u8]>, env: &[(&str, &str)]) -> Output {
+pub(crate) fn edgeinfer(args: &[&str], stdin: Option<&[u8]>, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_edgeinfer"));
     cmd.args(args)
         .arg("--models-dir")

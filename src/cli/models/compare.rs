@@ -23,10 +23,16 @@ pub struct CompareArgs {
     #[arg(value_name = "NAME[:VERSION]")]
     candidates: Vec<String>,
     /// Rows: a CSV file with the label first (left empty for a row without
-    /// one), then the features, one row per line; `#` lines are skipped
-    /// (models/heldout/digits.csv).
+    /// one), then the features, one row per line, `#` lines skipped
+    /// (models/heldout/digits.csv); a NumPy `.npy` of shape (rows,
+    /// features), labelled by --labels; or a node's capture
+    /// (`capture.jsonl` in its state directory, `capture.enabled`), each row
+    /// labelled with the cloud tier's answer where the cloud gave one.
     #[arg(long, value_name = "FILE")]
     data: PathBuf,
+    /// With a `.npy` --data: the labels, a `.npy` of one integer per row.
+    #[arg(long, value_name = "FILE.npy")]
+    labels: Option<PathBuf>,
     /// Also count, for every candidate, the rows it answers as this model
     /// does (NAME or NAME:VERSION, loaded). Default, when no row has a
     /// label: the candidate with the largest model file.
@@ -72,7 +78,7 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
     {
         bail!("--max-p99-ms {ms}: use a number of milliseconds above 0");
     }
-    let data = Rows::read_csv(&args.data)?;
+    let data = Rows::read(&args.data, args.labels.as_deref())?;
     if data.labelled() == 0 && args.min_accuracy.is_some() {
         bail!(
             "{} has no labels, so --min-accuracy cannot be judged; use --max-agreement-loss, against \

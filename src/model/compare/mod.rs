@@ -9,7 +9,7 @@ mod report;
 mod rows;
 
 pub use report::html;
-pub use rows::{DataError, Rows};
+pub use rows::{Captured, DataError, Rows};
 use serde::Serialize;
 use std::time::Duration;
 

@@ -710,3 +710,77 @@ async fn an_https_cloud_is_reached_with_the_configured_ca_and_refused_with_anoth
         }
     }
 }
+
+#[test]
+fn a_node_captures_what_it_answers_and_models_compare_judges_on_the_clouds_labels() {
+    let (_cloud, cloud_port) = cloud_node(None);
+    let n = 40;
+    let confidences = edge_confidences(cloud_port, n);
+    let mut sorted = confidences.clone();
+    sorted.sort_by(f64::total_cmp);
+    let threshold = ((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0).to_string();
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let capture = [
+        ("EDGEINFER_MODELS__DIGITS__THRESHOLD", threshold.as_str()),
+        ("EDGEINFER_CAPTURE__ENABLED", "true"),
+        ("EDGEINFER_CAPTURE__RATE", "1"),
+        ("EDGEINFER_NODE__STATE_DIR", state_dir),
+    ];
+    let (_edge, _, port) = edge_node("gw-capture", cloud_port, &capture);
+    let mut replies = Vec::new();
+    for i in 0..n {
+        replies.push(infer_digits(port, &request(&format!("r{i}"), i, json!({"cache": false}))));
+    }
+    // A two-row request is not a row to judge on: not captured.
+    let split = heldout();
+    let two = crate::digits_request("two", &[split[0].1.clone(), split[1].1.clone()]);
+    infer_digits(port, &two);
+    let file = state.path().join("capture.jsonl");
+    let start = Instant::now();
+    let records: Vec<Value> = loop {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let records: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        if records.len() >= n || start.elapsed() > Duration::from_secs(10) {
+            break records;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(records.len(), n, "one record per one-row request answered");
+    let mut escalated = 0;
+    for (i, (record, reply)) in records.iter().zip(&replies).enumerate() {
+        let row: Vec<f64> = record["input"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(row, split[i].1, "record {i} holds the row as sent");
+        assert_eq!((&record["model"], &record["version"]), (&json!("digits"), &json!("1")));
+        assert_eq!(record["answer"], reply["parameters"]["label"], "the answer the device got");
+        assert_eq!(record["served_by"], reply["parameters"]["served_by"]);
+        if served_by(reply) == "cloud" {
+            escalated += 1;
+            assert_eq!(record["cloud_label"], reply["parameters"]["label"]);
+        } else {
+            assert!(record["cloud_label"].is_null(), "{record}");
+        }
+    }
+    assert_eq!(escalated, n / 2, "the threshold sits at the median confidence");
+
+    // The capture as data: the cloud's answers are the labels. The cloud
+    // runs digits-large, so on those rows digits-large is always right.
+    let out = crate::cli::edgeinfer(
+        &["models", "compare", "--data", file.to_str().unwrap(), "--passes", "1", "--json"],
+        None,
+        &[],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["rows"].as_u64(), report["labelled_rows"].as_u64()),
+        (Some(n as u64), Some(escalated as u64))
+    );
+    let accuracy = |id: &str| {
+        let c = report["candidates"].as_array().unwrap().iter().find(|c| c["model"] == id).unwrap();
+        c["accuracy"].as_f64().unwrap()
+    };
+    assert_eq!(accuracy("digits-large"), 1.0, "{report}");
+    // The edge model was unsure of exactly these rows.
+    assert!(accuracy("digits") < 1.0, "{report}");
+}
