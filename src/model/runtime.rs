@@ -497,6 +497,31 @@ impl LoadedModel {
         }
         Ok(start.elapsed() / (iterations * batch).max(1) as u32)
     }
+
+    /// Rows per second at `batch` with `threads` threads running the plan
+    /// at once for about `duration`: the model's own throughput at
+    /// saturation, as `threads_per_model` threads would see it.
+    pub fn rows_per_second(&self, batch: usize, threads: usize, duration: Duration) -> Result<f64, RunError> {
+        let input = self.zeros(batch)?;
+        self.run(batch, &input)?;
+        let start = Instant::now();
+        let runs = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads.max(1))
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut runs = 0u64;
+                        while start.elapsed() < duration {
+                            self.run(batch, &input)?;
+                            runs += 1;
+                        }
+                        Ok::<u64, RunError>(runs)
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().expect("a timing thread panicked")).sum::<Result<u64, _>>()
+        })?;
+        Ok((runs * batch as u64) as f64 / start.elapsed().as_secs_f64())
+    }
 }
 
 impl LoadedModel {

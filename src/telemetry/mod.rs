@@ -302,6 +302,12 @@ pub fn peak_resident_bytes() -> Option<u64> {
     proc_status_bytes("VmHWM:")
 }
 
+/// Starts `peak_resident_bytes` again from what is resident now (Linux
+/// 4.0 and later); false where the kernel refused.
+pub fn reset_peak_resident() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(field))?;

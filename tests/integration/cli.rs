@@ -105,9 +105,29 @@ fn models_compare_recommends_the_fastest_model_that_is_accurate_enough() {
         );
         assert!(c["latency"]["p50_us"].as_f64().unwrap() > 0.0);
         assert!(c["latency"]["p99_us"].as_f64().unwrap() >= c["latency"]["p50_us"].as_f64().unwrap());
+        assert_eq!(c["latency"]["percentiles_us"].as_array().unwrap().len(), 100);
+        assert_eq!(c["top_k"], 3);
+        assert!(c["top_k_accuracy"].as_f64().unwrap() >= measured, "{c}");
+        for figure in
+            ["rows_per_s_one_thread", "rows_per_s_all_threads", "per_row_us_at_best_batch", "load_ms"]
+        {
+            assert!(c[figure].as_f64().unwrap() > 0.0, "{figure}: {c}");
+        }
+        assert!(c["threads"].as_u64().unwrap() >= 1);
+        if let Some(peak) = c["peak_rss_bytes"].as_u64() {
+            assert!(peak > 4 << 20, "a process with three models resident: {peak}");
+        }
     }
-    assert_eq!(candidates[0]["kernels"], "integer", "models verify reports integer kernels for digits");
-    assert_eq!(candidates[2]["kernels"], "float");
+    // The kernels are the ones `models verify` reports for each model.
+    let verify = edgeinfer(&["models", "verify"], None, &[]);
+    let verify = String::from_utf8_lossy(&verify.stdout);
+    let kinds: Vec<&str> = verify
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("kernels: ")?.split_whitespace().next())
+        .collect();
+    let compared: Vec<&str> = candidates.iter().map(|c| c["kernels"].as_str().unwrap()).collect();
+    assert_eq!(compared, kinds, "{verify}");
+    assert_eq!(compared, ["integer", "float", "float"]);
     let chosen = report["recommendation"]["chosen"].as_str().unwrap();
     let chosen = candidates
         .iter()

@@ -8,12 +8,15 @@ use edgeinfer::config::Config;
 use edgeinfer::engine::{Cache, Engine, EngineOptions, Envelope};
 use edgeinfer::model::compare::{
     Candidate, Comparison, Constraints, Latency, Rows, accuracy, agreement, html, recommend, share_text,
+    top_k_accuracy,
 };
 use edgeinfer::model::{LoadedModel, Registry};
 use edgeinfer::protocol::{Datatype, InferRequest, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct CompareArgs {
@@ -53,6 +56,9 @@ pub struct CompareArgs {
     /// rows (0 to 1) differently from the reference.
     #[arg(long, value_name = "FRACTION")]
     max_agreement_loss: Option<f64>,
+    /// Also count the rows whose label is among a candidate's K best answers.
+    #[arg(long, value_name = "K", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    top_k: u32,
     /// Print the figures and the recommendation as JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -60,6 +66,51 @@ pub struct CompareArgs {
     /// files) with the recommendation, the figures and two charts.
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
+}
+
+/// How long each throughput figure runs the plan.
+const THROUGHPUT_TIME: Duration = Duration::from_millis(500);
+
+/// A progress bar on a terminal; elsewhere (a log, a pipe) a line per
+/// candidate, and nothing with --json.
+struct Progress {
+    bar: Option<ProgressBar>,
+    lines: bool,
+}
+
+impl Progress {
+    fn new(steps: u64, json: bool) -> Progress {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = terminal.then(|| {
+            let bar = ProgressBar::new(steps);
+            let style =
+                ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {percent:>3}% {msg}")
+                    .expect("a fixed template");
+            bar.set_style(style);
+            bar
+        });
+        Progress { bar, lines: !terminal && !json }
+    }
+
+    fn candidate(&self, model: &LoadedModel) {
+        match &self.bar {
+            Some(bar) => bar.set_message(id(model)),
+            None if self.lines => eprintln!("measuring {} ...", id(model)),
+            None => {}
+        }
+    }
+
+    fn step(&self) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 /// Exits 0 with a recommendation, 1 when no candidate meets the constraints.
@@ -102,15 +153,20 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         Cache::off(),
     );
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let reference_apart = reference.as_ref().is_some_and(|r| !chosen.iter().any(|m| Arc::ptr_eq(m, r)));
+    let rows = data.features.len() as u64;
+    let steps =
+        chosen.len() as u64 * (rows * (1 + args.passes as u64) + 2) + u64::from(reference_apart) * rows;
+    let progress = Progress::new(steps, args.json);
+    let top_k = args.top_k as usize;
     let mut measured = Vec::new();
     let mut answered = Vec::new();
-    for (i, model) in chosen.iter().enumerate() {
-        if !args.json {
-            eprintln!("[{}/{}] {} ...", i + 1, chosen.len(), id(model));
-        }
-        let labels = answers(&rt, &engine, model, &data)?;
-        let mut candidate = measure(model, &data, args.passes)?;
+    for model in &chosen {
+        progress.candidate(model);
+        let (labels, top) = answers(&rt, &engine, model, &data, top_k, &progress)?;
+        let mut candidate = measure(model, &data, args.passes, &progress)?;
         candidate.accuracy = accuracy(&labels, &data.labels);
+        (candidate.top_k, candidate.top_k_accuracy) = (top_k, top_k_accuracy(&top, &data.labels));
         measured.push(candidate);
         answered.push(labels);
     }
@@ -118,7 +174,10 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         // The default reference is a candidate: its answers are in hand.
         let theirs = match chosen.iter().position(|m| Arc::ptr_eq(m, reference)) {
             Some(i) => answered[i].clone(),
-            None => answers(&rt, &engine, reference, &data)?,
+            None => {
+                progress.candidate(reference);
+                answers(&rt, &engine, reference, &data, top_k, &progress)?.0
+            }
         };
         for (candidate, ours) in measured.iter_mut().zip(&answered) {
             candidate.agreement = Some(agreement(ours, &theirs));
@@ -129,6 +188,7 @@ pub fn run(config: &Config, registry: Registry, args: CompareArgs) -> Result<i32
         max_p99_ms: args.max_p99_ms,
         max_agreement_loss: args.max_agreement_loss,
     };
+    progress.finish();
     let recommendation = recommend(&measured, constraints);
     let found = recommendation.chosen.is_some();
     let comparison = Comparison {
@@ -227,17 +287,20 @@ fn file_bytes(model: &LoadedModel) -> Result<u64> {
     Ok(std::fs::metadata(&file).with_context(|| format!("reading {}", file.display()))?.len())
 }
 
-/// The label `model` gives each row, each row one request through the
-/// engine, as a device sends it.
+/// The label `model` gives each row, and its `top_k` best, each row one
+/// request through the engine, as a device sends it.
 fn answers(
     rt: &tokio::runtime::Runtime,
     engine: &Engine,
     model: &LoadedModel,
     data: &Rows,
-) -> Result<Vec<String>> {
+    top_k: usize,
+    progress: &Progress,
+) -> Result<(Vec<String>, Vec<Vec<String>>)> {
     let (name, version) = (model.name(), model.version());
     let width = data.width();
     let mut labels = Vec::with_capacity(data.features.len());
+    let mut tops = Vec::with_capacity(data.features.len());
     for row in &data.features {
         let mut req = InferRequest::single(
             "compare",
@@ -247,6 +310,7 @@ fn answers(
             TensorData::F32(row.clone()),
         );
         req.parameters.cache = Some(false);
+        req.parameters.top_k = Some(top_k as u32);
         let envelope = Envelope { version: Some(version), ..Envelope::model(name) };
         let answer = rt
             .block_on(engine.infer(envelope, req))
@@ -255,12 +319,16 @@ fn answers(
             bail!("{name}:{version} answers no label (not a classification model); compare needs labels");
         };
         labels.push(label);
+        tops.push(answer.parameters.top_k.unwrap_or_default().into_iter().map(|t| t.label).collect());
+        progress.step();
     }
-    Ok(labels)
+    Ok((labels, tops))
 }
 
 /// Everything but the answers: latency, batch cost, load time, size.
-fn measure(model: &LoadedModel, data: &Rows, passes: u32) -> Result<Candidate> {
+fn measure(model: &LoadedModel, data: &Rows, passes: u32, progress: &Progress) -> Result<Candidate> {
+    // The peak from here on is this candidate's (where the kernel allows).
+    let peak_is_ours = edgeinfer::telemetry::reset_peak_resident();
     let (name, version) = (model.name(), model.version());
     // Latency: the model's own work per request (the manifest's
     // preprocessing and the batch-1 plan) on this thread. The node's hand-off
@@ -277,12 +345,22 @@ fn measure(model: &LoadedModel, data: &Rows, passes: u32) -> Result<Candidate> {
                 .map_err(|e| anyhow::anyhow!("{name}:{version}: preprocessing a row: {e}"))?;
             model.run(1, &input).map_err(|e| anyhow::anyhow!("{name}:{version} failed a row: {e}"))?;
             samples.push(started.elapsed());
+            progress.step();
         }
     }
     let best_batch = model.max_batch();
     let per_row = model
         .time_per_item(best_batch, 200)
         .map_err(|e| anyhow::anyhow!("timing {name}:{version} at batch {best_batch}: {e}"))?;
+    let saturate = |threads| {
+        let rows = model
+            .rows_per_second(best_batch, threads, THROUGHPUT_TIME)
+            .map_err(|e| anyhow::anyhow!("timing {name}:{version} on {threads} thread(s): {e}"));
+        progress.step();
+        rows
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (rows_per_s_one_thread, rows_per_s_all_threads) = (saturate(1)?, saturate(threads)?);
     let quantization = model.manifest.quantization.as_str();
     Ok(Candidate {
         model: name.to_string(),
@@ -290,11 +368,17 @@ fn measure(model: &LoadedModel, data: &Rows, passes: u32) -> Result<Candidate> {
         quantization: quantization.to_string(),
         kernels: model.kernels.kind().to_string(),
         accuracy: None,
+        top_k: 0,
+        top_k_accuracy: None,
         manifest_accuracy: model.manifest.accuracy.get(quantization).and_then(|v| v.as_float()),
         agreement: None,
         latency: Latency::of(samples),
         best_batch,
         per_row_us_at_best_batch: per_row.as_secs_f64() * 1e6,
+        rows_per_s_one_thread,
+        rows_per_s_all_threads,
+        threads,
+        peak_rss_bytes: edgeinfer::telemetry::peak_resident_bytes().filter(|_| peak_is_ours),
         load_ms: model.load_time.as_secs_f64() * 1e3,
         file_bytes: file_bytes(model)?,
     })
@@ -308,34 +392,54 @@ fn print_table(report: &Comparison) {
     if let Some(reference) = &report.reference {
         println!("agreement: the share of rows answered as {reference} answers them");
     }
+    let top_k = report.candidates.first().map_or(0, |c| c.top_k);
     println!(
-        "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>14} {:>8} {:>9}",
+        "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>8}",
         "CANDIDATE",
         "QUANT",
         "KERNELS",
         "ACCURACY",
+        format!("TOP-{top_k}"),
         "MANIFEST",
-        "AGREE",
+        "AGREE"
+    );
+    for c in &report.candidates {
+        println!(
+            "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>8}",
+            c.id(),
+            c.quantization,
+            c.kernels,
+            share_text(c.accuracy),
+            share_text(c.top_k_accuracy),
+            share_text(c.manifest_accuracy),
+            share_text(c.agreement)
+        );
+    }
+    let threads = report.candidates.first().map_or(1, |c| c.threads);
+    println!(
+        "{:<20} {:>8} {:>8} {:>8} {:>13} {:>11} {:>11} {:>8} {:>7} {:>8}",
+        "",
         "P50 US",
         "P95 US",
         "P99 US",
         "US/ROW@BATCH",
+        "ROWS/S 1T",
+        format!("ROWS/S {threads}T"),
+        "PEAK MIB",
         "LOAD MS",
         "FILE KB"
     );
     for c in &report.candidates {
         println!(
-            "{:<20} {:<5} {:<8} {:>8} {:>8} {:>8} {:>9.1} {:>9.1} {:>9.1} {:>14} {:>8.1} {:>9.1}",
+            "{:<20} {:>8.1} {:>8.1} {:>8.1} {:>13} {:>11.0} {:>11.0} {:>8} {:>7.1} {:>8.1}",
             c.id(),
-            c.quantization,
-            c.kernels,
-            share_text(c.accuracy),
-            share_text(c.manifest_accuracy),
-            share_text(c.agreement),
             c.latency.p50_us,
             c.latency.p95_us,
             c.latency.p99_us,
             format!("{:.2}@{}", c.per_row_us_at_best_batch, c.best_batch),
+            c.rows_per_s_one_thread,
+            c.rows_per_s_all_threads,
+            c.peak_rss_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
             c.load_ms,
             c.file_bytes as f64 / 1024.0
         );

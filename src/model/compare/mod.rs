@@ -25,6 +25,14 @@ pub fn share_text(share: Option<f64>) -> String {
     share.map(|s| format!("{s:.4}")).unwrap_or_else(|| "-".into())
 }
 
+/// The share of the labelled rows whose label is among the candidate's
+/// best answers (`top`, per row); `None` without labels.
+pub fn top_k_accuracy(top: &[Vec<String>], labels: &[Option<String>]) -> Option<f64> {
+    let judged: Vec<bool> =
+        top.iter().zip(labels).filter_map(|(t, l)| l.as_ref().map(|l| t.contains(l))).collect();
+    (!judged.is_empty()).then(|| judged.iter().filter(|&&ok| ok).count() as f64 / judged.len() as f64)
+}
+
 /// The share of rows on which two candidates gave the same answer.
 pub fn agreement(answers: &[String], reference: &[String]) -> f64 {
     let same = answers.iter().zip(reference).filter(|(a, r)| a == r).count();
@@ -89,6 +97,9 @@ pub struct Candidate {
     pub kernels: String,
     /// Rows answered with the file's label, of the labelled rows.
     pub accuracy: Option<f64>,
+    /// Rows whose label is among the candidate's `top_k` best answers.
+    pub top_k: usize,
+    pub top_k_accuracy: Option<f64>,
     /// The accuracy the producing script wrote into the manifest, if any.
     pub manifest_accuracy: Option<f64>,
     /// Rows answered as the reference model answered them, when there is one.
@@ -98,6 +109,14 @@ pub struct Candidate {
     /// The largest planned batch size and the time per row there, on one thread.
     pub best_batch: usize,
     pub per_row_us_at_best_batch: f64,
+    /// Throughput at saturation at the best batch, in process: one thread,
+    /// and `threads` (every core) running the plan at once.
+    pub rows_per_s_one_thread: f64,
+    pub rows_per_s_all_threads: f64,
+    pub threads: usize,
+    /// The most this process had resident while the candidate was measured
+    /// (every candidate is loaded throughout).
+    pub peak_rss_bytes: Option<u64>,
     pub load_ms: f64,
     pub file_bytes: u64,
 }
@@ -210,11 +229,17 @@ mod tests {
             quantization: "int8".into(),
             kernels: "integer".into(),
             accuracy: Some(accuracy),
+            top_k: 3,
+            top_k_accuracy: None,
             manifest_accuracy: None,
             agreement: None,
             latency: Latency { p50_us, p95_us: p99_us, p99_us, percentiles_us: vec![p50_us, p99_us] },
             best_batch: 32,
             per_row_us_at_best_batch: 1.0,
+            rows_per_s_one_thread: 1e6,
+            rows_per_s_all_threads: 2e6,
+            threads: 2,
+            peak_rss_bytes: None,
             load_ms: 1.0,
             file_bytes,
         }
@@ -284,6 +309,9 @@ mod tests {
         assert_eq!(accuracy(&answers("019"), &labels), Some(1.0));
         assert_eq!(accuracy(&answers("010"), &labels), Some(0.5));
         assert_eq!(accuracy(&answers("01"), &[None, None]), None);
+        let top = |s: &[&str]| s.iter().map(|t| answers(t)).collect::<Vec<_>>();
+        assert_eq!(top_k_accuracy(&top(&["01", "23", "98"]), &labels), Some(1.0));
+        assert_eq!(top_k_accuracy(&top(&["12", "23", "87"]), &labels), Some(0.0));
 
         let mut close = candidate("close", 0.0, 10.0, 20.0, 1000);
         let mut far = candidate("far", 0.0, 5.0, 20.0, 1000);

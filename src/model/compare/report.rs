@@ -70,17 +70,20 @@ td:first-child,th:first-child{text-align:left}.chosen{background:#e6f4ea;padding
 fn figures(c: &Comparison) -> String {
     let mut t = String::from(
         "<section id=\"figures\">\n<h2>Figures</h2>\n<table>\n<tr><th>candidate</th><th>quant</th><th>kernels</th>\
-         <th>accuracy</th><th>manifest</th><th>agreement</th><th>p50 &micro;s</th><th>p95 &micro;s</th>\
-         <th>p99 &micro;s</th><th>&micro;s/row @ batch</th><th>load ms</th><th>file KiB</th></tr>\n",
+         <th>accuracy</th><th>top-k</th><th>manifest</th><th>agreement</th><th>p50 &micro;s</th><th>p95 &micro;s</th>\
+         <th>p99 &micro;s</th><th>&micro;s/row @ batch</th><th>rows/s, 1 thread</th><th>rows/s, all threads</th>\
+         <th>peak MiB</th><th>load ms</th><th>file KiB</th></tr>\n",
     );
     for m in &c.candidates {
         let _ = writeln!(
             t,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2} @ {}</td><td>{:.1}</td><td>{:.1}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} (k={})</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2} @ {}</td><td>{:.0}</td><td>{:.0} ({})</td><td>{}</td><td>{:.1}</td><td>{:.1}</td></tr>",
             escape(&m.id()),
             escape(&m.quantization),
             escape(&m.kernels),
             share_text(m.accuracy),
+            share_text(m.top_k_accuracy),
+            m.top_k,
             share_text(m.manifest_accuracy),
             share_text(m.agreement),
             m.latency.p50_us,
@@ -88,6 +91,10 @@ fn figures(c: &Comparison) -> String {
             m.latency.p99_us,
             m.per_row_us_at_best_batch,
             m.best_batch,
+            m.rows_per_s_one_thread,
+            m.rows_per_s_all_threads,
+            m.threads,
+            m.peak_rss_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
             m.load_ms,
             m.file_bytes as f64 / 1024.0
         );
