@@ -9,6 +9,8 @@ README "Regenerating the models"); it rewrites
   models/digits/1/        INT8 MLP (onnxruntime QOperator QLinearMatMul), the edge tier
   models/digits-f32/1/    the same MLP before quantisation, to measure what INT8 costs
   models/digits-large/1/  a larger f32 MLP trained on shifted copies too, the cloud tier
+  models/digits-small/1/  a narrower INT8 MLP (8 hidden units): cheaper, less accurate,
+                          so `edgeinfer models compare` has a real choice to make
   models/heldout/digits.csv   the held-out split (label, 64 pixels), for accuracy tests
 
 Each version directory holds model.onnx, model.toml (the manifest the node reads)
@@ -192,6 +194,17 @@ def main():
                     per_channel=False, reduce_range=False)
     acc_int8 = accuracy(int8_path, xs_te, y_te)
 
+    narrow = MLPClassifier(hidden_layer_sizes=(8,), max_iter=400, random_state=SEED, alpha=1e-3)
+    narrow.fit(xs_tr, y_tr)
+    narrow_f32_path = tmp / "digits_small_f32.onnx"
+    onnx.save(mlp_to_onnx(narrow, "digits_small"), narrow_f32_path)
+    narrow_path = tmp / "digits_small.onnx"
+    quantize_static(str(narrow_f32_path), str(narrow_path), Calibration(xs_tr),
+                    quant_format=QuantFormat.QOperator, op_types_to_quantize=["MatMul"],
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    per_channel=False, reduce_range=False)
+    acc_narrow = accuracy(narrow_path, xs_te, y_te)
+
     xa, ya = shifted_copies(x_tr, y_tr)
     large = MLPClassifier(hidden_layer_sizes=(256, 128), max_iter=400, random_state=SEED, alpha=1e-4)
     large.fit((xa * SCALE).astype(np.float32), ya)
@@ -210,6 +223,10 @@ def main():
                   "models/produce.py: MLP 64-256-128-10 (scikit-learn MLPClassifier, seed 0) on load_digits "
                   "plus one-pixel shifted copies",
                   golden_x, 1e-4)
+    write_version("digits-small", narrow_path, "int8", acc_narrow,
+                  "models/produce.py: MLP 64-8-10 (scikit-learn MLPClassifier, seed 0) on load_digits, "
+                  "quantised as digits is",
+                  golden_x, 0.02)
     for p in tmp.iterdir():
         p.unlink()
     tmp.rmdir()

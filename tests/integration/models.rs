@@ -70,7 +70,7 @@ fn int8_accuracy_matches_manifest_and_f32_twin_and_large_is_better() {
 #[test]
 fn shipped_models_pass_golden_vectors_on_every_plan() {
     let registry = registry();
-    for name in ["digits", "digits-f32", "digits-large"] {
+    for name in ["digits", "digits-f32", "digits-large", "digits-small"] {
         let m = registry.get(name, None).unwrap();
         assert_eq!(m.batch_sizes(), vec![1, 2, 4, 8, 16, 32], "{name}");
         assert!(m.manifest.golden.is_some(), "{name} ships golden vectors");
