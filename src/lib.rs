@@ -2,7 +2,7 @@
 //!
 //! The request path is one pipeline shared by every transport
 //! ([`engine::Engine`]): decode, resolve, preprocess, cache, run,
-//! postprocess, cascade, store, encode. The transports (MQTT, HTTP and the
+//! postprocess, cascade, capture, store, encode. The transports (MQTT, HTTP and the
 //! `infer` command) only move bytes in and out of it; [`node::Node`] wires
 //! a serving node together from a config. docs/ARCHITECTURE.md has the map.
 

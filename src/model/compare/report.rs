@@ -49,7 +49,7 @@ pub fn html(comparison: &Comparison) -> String {
     page.push_str("<section id=\"charts\">\n");
     let _ = writeln!(
         page,
-        "<figure id=\"pareto\">{}<figcaption>p99 latency per request against {}; the Pareto front joins the candidates no other beats on both.</figcaption></figure>",
+        "<figure id=\"pareto\">{}<figcaption>p99 latency per request against {}; the Pareto front (blue) joins the candidates no other beats on both; a grey one is beaten by one on the front.</figcaption></figure>",
         pareto_svg(c),
         quality_name(c)
     );
@@ -68,24 +68,36 @@ td:first-child,th:first-child{text-align:left}.chosen{background:#e6f4ea;padding
 .none{background:#fdecea;padding:.5em}figure{margin:1.5em 0}figcaption{color:#555}";
 
 fn figures(c: &Comparison) -> String {
-    let mut t = String::from(
-        "<section id=\"figures\">\n<h2>Figures</h2>\n<table>\n<tr><th>candidate</th><th>quant</th><th>kernels</th>\
-         <th>accuracy</th><th>top-k</th><th>manifest</th><th>agreement</th><th>p50 &micro;s</th><th>p95 &micro;s</th>\
-         <th>p99 &micro;s</th><th>&micro;s/row @ batch</th><th>rows/s, 1 thread</th><th>rows/s, all threads</th>\
-         <th>peak MiB</th><th>load ms</th><th>file KiB</th></tr>\n",
+    let top_k = c.candidates.first().map_or(0, |m| m.top_k);
+    let threads = c.candidates.first().map_or(1, |m| m.threads);
+    let mut t = format!(
+        "<section id=\"figures\">\n<h2>Figures</h2>\n<h3>Quality</h3>\n<table>\n<tr><th>candidate</th><th>quant</th>\
+         <th>kernels</th><th>accuracy</th><th>top-{top_k}</th><th>manifest</th><th>agreement</th></tr>\n"
     );
     for m in &c.candidates {
         let _ = writeln!(
             t,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} (k={})</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2} @ {}</td><td>{:.0}</td><td>{:.0} ({})</td><td>{}</td><td>{:.1}</td><td>{:.1}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             escape(&m.id()),
             escape(&m.quantization),
             escape(&m.kernels),
             share_text(m.accuracy),
             share_text(m.top_k_accuracy),
-            m.top_k,
             share_text(m.manifest_accuracy),
             share_text(m.agreement),
+        );
+    }
+    let _ = write!(
+        t,
+        "</table>\n<h3>Cost</h3>\n<table>\n<tr><th>candidate</th><th>p50 &micro;s</th><th>p95 &micro;s</th>\
+         <th>p99 &micro;s</th><th>&micro;s/row @ batch</th><th>rows/s, 1 thread</th><th>rows/s, {threads} threads</th>\
+         <th>peak MiB</th><th>load ms</th><th>file KiB</th></tr>\n"
+    );
+    for m in &c.candidates {
+        let _ = writeln!(
+            t,
+            "<tr><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2} @ {}</td><td>{:.0}</td><td>{:.0}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td></tr>",
+            escape(&m.id()),
             m.latency.p50_us,
             m.latency.p95_us,
             m.latency.p99_us,
@@ -93,7 +105,6 @@ fn figures(c: &Comparison) -> String {
             m.best_batch,
             m.rows_per_s_one_thread,
             m.rows_per_s_all_threads,
-            m.threads,
             m.peak_rss_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64)),
             m.load_ms,
             m.file_bytes as f64 / 1024.0
@@ -143,7 +154,8 @@ fn pareto_svg(c: &Comparison) -> String {
         return "<p>No candidate has a quality figure to chart.</p>".into();
     }
     let xy: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
-    let front: Vec<(f64, f64)> = pareto_front(&xy).into_iter().map(|i| xy[i]).collect();
+    let on_front = pareto_front(&xy);
+    let front: Vec<(f64, f64)> = on_front.iter().map(|&i| xy[i]).collect();
     // A step line: a faster point's quality holds until the next one's latency.
     let mut steps = Vec::new();
     for (i, &(x, y)) in front.iter().enumerate() {
@@ -199,8 +211,9 @@ fn pareto_svg(c: &Comparison) -> String {
         };
         chart.draw_series(points.iter().enumerate().map(|(i, p)| {
             let below = points[..i].iter().filter(|q| near(p, q)).count() as i32;
+            let colour = if on_front.contains(&i) { BLUE.filled() } else { RGBColor(140, 140, 140).filled() };
             EmptyElement::at((p.0, p.1))
-                + Circle::new((0, 0), 5, BLACK.filled())
+                + Circle::new((0, 0), 5, colour)
                 + Text::new(p.2.clone(), (10, -18 + 15 * below), ("sans-serif", 13))
         }))?;
         chart
