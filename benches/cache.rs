@@ -26,6 +26,7 @@ fn options(dir: &Path, memory_bytes: u64) -> CacheOptions {
         // Long enough that every disk read is timed, not given up on.
         disk_read_timeout: Duration::from_secs(1),
         disk_page_cache_bytes: 4 << 20,
+        redis: None,
     }
 }
 

@@ -235,6 +235,40 @@ pub struct CacheConfig {
     pub disk_read_timeout_ms: u64,
     /// sled's own page cache for the disk layer, in bytes.
     pub disk_page_cache_bytes: u64,
+    /// The shared layer below memory and disk.
+    pub redis: RedisConfig,
+}
+
+/// `[cache.redis]`: a Redis shared by the nodes of a site, below memory
+/// and disk. Off by default: nothing leaves the node unless asked.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    pub enabled: bool,
+    /// `redis://HOST:PORT[/DB]`, or `rediss://` for TLS (system roots).
+    pub url: String,
+    /// A file holding the password (AUTH); a user name goes in the URL.
+    pub password_file: Option<PathBuf>,
+    /// Every key starts with this, so nodes of one site share answers and
+    /// `cache purge` finds them.
+    pub key_prefix: String,
+    /// Expiry of every key written; default: the cache TTL of the answer.
+    pub ttl_s: Option<u64>,
+    /// The longest a lookup waits before it counts a miss and runs the model.
+    pub timeout_ms: u64,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            enabled: false,
+            url: "redis://127.0.0.1:6379".into(),
+            password_file: None,
+            key_prefix: "edgeinfer".into(),
+            ttl_s: None,
+            timeout_ms: 5,
+        }
+    }
 }
 
 impl Default for CacheConfig {
@@ -247,6 +281,7 @@ impl Default for CacheConfig {
             sweep_interval_s: 60,
             disk_read_timeout_ms: 5,
             disk_page_cache_bytes: 4 * 1024 * 1024,
+            redis: RedisConfig::default(),
         }
     }
 }
@@ -708,6 +743,34 @@ impl Config {
                 format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s),
             );
         }
+        let redis = &self.cache.redis;
+        if redis.enabled && !(redis.url.starts_with("redis://") || redis.url.starts_with("rediss://")) {
+            return bad(
+                "cache.redis.url",
+                format!("{:?}: use redis://HOST:PORT, or rediss://HOST:PORT for TLS", redis.url),
+            );
+        }
+        if redis.key_prefix.is_empty() || redis.key_prefix.contains(['*', '?', '[', ']', ' ']) {
+            return bad(
+                "cache.redis.key_prefix",
+                format!("{:?}: use a non-empty name without spaces or '*', '?', '[', ']'", redis.key_prefix),
+            );
+        }
+        if !(1..=10_000).contains(&redis.timeout_ms) {
+            return bad(
+                "cache.redis.timeout_ms",
+                format!(
+                    "{}: use 1 to 10000 (a lookup slower than the model is not worth waiting for)",
+                    redis.timeout_ms
+                ),
+            );
+        }
+        if redis.ttl_s == Some(0) {
+            return bad(
+                "cache.redis.ttl_s",
+                "0: use at least 1 second, or leave it out for the cache TTL".into(),
+            );
+        }
         let capture = &self.capture;
         if !(0.0..=1.0).contains(&capture.rate) {
             return bad(
@@ -880,6 +943,27 @@ mod tests {
         let err =
             Config::load_with_env(None, env(&[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.5")])).unwrap_err();
         assert!(err.to_string().contains("models.digits.threshold"), "{err}");
+        // The sections added for compare's capture and the Redis tier.
+        for (key, value, names) in [
+            ("EDGEINFER_CAPTURE__RATE", "1.5", "capture.rate"),
+            ("EDGEINFER_CAPTURE__MAX_RECORDS", "0", "capture.max_records"),
+            ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "0", "cache.redis.timeout_ms"),
+            ("EDGEINFER_CACHE__REDIS__KEY_PREFIX", "a*", "cache.redis.key_prefix"),
+            ("EDGEINFER_CACHE__REDIS__TTL_S", "0", "cache.redis.ttl_s"),
+        ] {
+            let err = Config::load_with_env(None, env(&[(key, value)])).unwrap_err().to_string();
+            assert!(err.contains(names) && err.contains(value.trim_end_matches('*')), "{key}: {err}");
+        }
+        let err = Config::load_with_env(
+            None,
+            env(&[
+                ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+                ("EDGEINFER_CACHE__REDIS__URL", "10.0.0.9:6379"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cache.redis.url") && err.contains("redis://"), "{err}");
     }
 
     #[test]

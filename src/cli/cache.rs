@@ -16,7 +16,9 @@ pub enum CacheCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Remove cached answers from both layers: all of them, or one model's.
+    /// Remove cached answers from every layer (memory, disk, and this
+    /// node's prefix in the shared Redis layer when it is on): all of
+    /// them, or one model's.
     Purge {
         /// Only this model's answers.
         #[arg(long, short)]
@@ -36,7 +38,12 @@ pub fn run(config: &Config, command: CacheCommand) -> Result<i32> {
                 let (n, source) =
                     edgeinfer::admin::cache_purge(config, url.as_deref(), model.as_deref()).await?;
                 let what = model.map(|m| format!("model {m}'s")).unwrap_or_else(|| "all".into());
-                println!("purged {what} cached answers from the {source}: {n} disk entries removed");
+                let layers = if config.cache.redis.enabled {
+                    "entries removed from disk and Redis"
+                } else {
+                    "disk entries removed"
+                };
+                println!("purged {what} cached answers from the {source}: {n} {layers}");
                 Ok(0)
             }
         }

@@ -251,6 +251,8 @@ pub enum CacheStatus {
     Miss,
     Memory,
     Disk,
+    /// The site's shared tier (`[cache.redis]`).
+    Redis,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -3,7 +3,9 @@
 
 mod status;
 
-pub use status::{CacheHealth, EngineSnapshot, ModelStatus, State, Status, unix_now, unix_now_ms};
+pub use status::{
+    CacheHealth, EngineSnapshot, ModelStatus, RedisState, State, Status, unix_now, unix_now_ms,
+};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -47,9 +49,16 @@ pub const HTTP_CONNECTIONS_WAITED: &str = "edgeinfer_http_connections_waited_tot
 pub const MODEL_VERSIONS_REFUSED: &str = "edgeinfer_model_versions_refused";
 pub const MODEL_INFO: &str = "edgeinfer_model_info";
 pub const RESIDENT_MEMORY: &str = "edgeinfer_process_resident_memory_bytes";
-/// Cache lookups, by `model` and `result` (`miss`, `memory`, `disk`, or
+/// Cache lookups, by `model` and `result` (`miss`, `memory`, `disk`, `redis`, or
 /// `coalesced`: answered by an identical request already running).
 pub const CACHE_LOOKUPS: &str = "edgeinfer_cache_lookups_total";
+/// 1 while the shared Redis layer answers (`cache.redis.enabled`).
+pub const CACHE_REDIS_UP: &str = "edgeinfer_cache_redis_up";
+/// Redis lookups and stores that did not help, by `reason`: `timeout`
+/// (over `cache.redis.timeout_ms`), `error`, `corrupt` (a value whose
+/// checksum failed: a miss), `busy` (the writer's queue was full),
+/// `skipped` (a store while the layer rested after failures).
+pub const CACHE_REDIS_ERRORS: &str = "edgeinfer_cache_redis_errors_total";
 /// Entries and bytes held, by `layer` (`memory`, `disk`).
 pub const CACHE_ENTRIES: &str = "edgeinfer_cache_entries";
 pub const CACHE_BYTES: &str = "edgeinfer_cache_bytes";
@@ -199,6 +208,11 @@ pub fn install() -> Option<PrometheusHandle> {
         "Disk cache stores moved aside because they could not be opened"
     );
     metrics::describe_gauge!(CACHE_DISK_ENABLED, "1 while the disk cache layer works");
+    metrics::describe_gauge!(CACHE_REDIS_UP, "1 while the shared Redis cache layer answers");
+    metrics::describe_counter!(
+        CACHE_REDIS_ERRORS,
+        "Redis cache lookups and stores that did not help, by reason: timeout, error, corrupt, busy, skipped"
+    );
     metrics::describe_counter!(CACHE_DISK_ERRORS, "I/O errors that turned the disk cache layer off");
     metrics::describe_counter!(
         STORE_REBUILDS,

@@ -67,6 +67,19 @@ pub struct CacheHealth {
     /// error), in a few words without paths: the log has the details.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<&'static str>,
+    /// The shared layer, when `cache.redis.enabled`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisState>,
+}
+
+/// The shared Redis cache layer, for the status and `cache stats`.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct RedisState {
+    /// The last command it was sent succeeded.
+    pub up: bool,
+    /// Why it is not up, in the client's words (never the password).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]

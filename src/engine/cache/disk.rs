@@ -15,9 +15,9 @@
 //! then the layer is back on its own.
 
 use super::key::Key;
+use super::record::Record;
 use crate::telemetry;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,35 +36,6 @@ const MODEL_TREE_PREFIX: &str = "m:";
 /// twice as long each time, up to `PROBE_MAX`.
 const PROBE_FIRST: Duration = Duration::from_secs(1);
 const PROBE_MAX: Duration = Duration::from_secs(30);
-
-/// One stored answer, postcard-encoded as the sled value.
-#[derive(Debug, Serialize, Deserialize)]
-struct Record {
-    /// Insertion number: the eviction order.
-    seq: u64,
-    stored_at_ms: u64,
-    expires_at_ms: u64,
-    checksum: u64,
-    /// The reply, postcard-encoded.
-    body: Vec<u8>,
-}
-
-impl Record {
-    fn checksum(key: &Key, stored_at_ms: u64, expires_at_ms: u64, body: &[u8]) -> u64 {
-        let mut h = Sha256::new();
-        h.update(key.0);
-        h.update(stored_at_ms.to_le_bytes());
-        h.update(expires_at_ms.to_le_bytes());
-        h.update(body);
-        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
-    }
-
-    /// The record under `key`, if its bytes decode and its checksum holds.
-    fn decode(key: &Key, bytes: &[u8]) -> Option<Record> {
-        let r: Record = postcard::from_bytes(bytes).ok()?;
-        (r.checksum == Record::checksum(key, r.stored_at_ms, r.expires_at_ms, &r.body)).then_some(r)
-    }
-}
 
 /// What a read found.
 pub enum Read {
@@ -738,8 +709,7 @@ impl Writer {
         let tree = self.db()?.open_tree(&name)?;
         let seq = self.seq;
         self.seq += 1;
-        let checksum = Record::checksum(key, stored_at_ms, expires_at_ms, &body);
-        let record = Record { seq, stored_at_ms, expires_at_ms, checksum, body };
+        let record = Record::seal(key, seq, stored_at_ms, expires_at_ms, body);
         let bytes = postcard::to_stdvec(&record).expect("a record always encodes");
         let size = footprint(name.as_bytes(), bytes.len());
         if size > self.capacity {

@@ -8,15 +8,18 @@
 mod disk;
 mod key;
 mod memory;
+mod record;
+mod redis;
 
 pub use disk::{DiskError, DiskStats};
 pub use key::Key;
+pub use redis::{RedisError, RedisOptions};
 
 use crate::config::Config;
 use crate::model::LoadedModel;
 use crate::protocol::postcard::WireResponse;
 use crate::protocol::{CacheStatus, InferRequest, InferResponse, TensorData, Tier};
-use crate::telemetry::{self, CacheHealth};
+use crate::telemetry::{self, CacheHealth, RedisState};
 use memory::{Entry, Flight, Found, Memory};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -38,6 +41,8 @@ pub struct CacheOptions {
     pub sweep_interval: Duration,
     pub disk_read_timeout: Duration,
     pub disk_page_cache_bytes: u64,
+    /// The shared layer, when `cache.redis.enabled`.
+    pub redis: Option<RedisOptions>,
 }
 
 impl CacheOptions {
@@ -53,6 +58,13 @@ impl CacheOptions {
             sweep_interval: Duration::from_secs(c.sweep_interval_s.max(1)),
             disk_read_timeout: Duration::from_millis(c.disk_read_timeout_ms),
             disk_page_cache_bytes: c.disk_page_cache_bytes,
+            redis: c.redis.enabled.then(|| RedisOptions {
+                url: c.redis.url.clone(),
+                password_file: c.redis.password_file.clone(),
+                key_prefix: c.redis.key_prefix.clone(),
+                ttl: c.redis.ttl_s.map(Duration::from_secs),
+                timeout: Duration::from_millis(c.redis.timeout_ms),
+            }),
         }
     }
 
@@ -68,6 +80,7 @@ impl CacheOptions {
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,
+            redis: None,
         }
     }
 }
@@ -99,6 +112,8 @@ pub struct CacheStats {
     pub memory_bytes: u64,
     pub memory_capacity_bytes: u64,
     pub disk: Option<DiskStats>,
+    #[serde(default)]
+    pub redis: Option<RedisState>,
 }
 
 pub struct Cache {
@@ -107,6 +122,9 @@ pub struct Cache {
     disk: Option<disk::Disk>,
     /// Why there is no disk layer, when one was asked for.
     disk_error: Option<DiskError>,
+    redis: Option<redis::Redis>,
+    /// Why there is no Redis layer, when one was asked for.
+    redis_error: Option<RedisError>,
 }
 
 impl Cache {
@@ -139,7 +157,17 @@ impl Cache {
                 }
             }
         }
-        Cache { options, memory, disk, disk_error }
+        let (mut redis, mut redis_error) = (None, None);
+        if let Some(redis_options) = options.redis.clone().filter(|_| options.enabled) {
+            match redis::Redis::open(redis_options) {
+                Ok(r) => redis = Some(r),
+                Err(e) => {
+                    tracing::error!("Redis cache layer off: {e}");
+                    redis_error = Some(e);
+                }
+            }
+        }
+        Cache { options, memory, disk, disk_error, redis, redis_error }
     }
 
     pub fn off() -> Cache {
@@ -203,6 +231,24 @@ impl Cache {
             self.publish_memory();
             return answer(model, wire, CacheStatus::Disk, "disk");
         }
+        if let Some(redis) = &self.redis
+            && let Some(record) = redis.get(model, &key).await
+            && record.expires_at_ms > now
+            && let Ok(wire) = postcard::from_bytes::<WireResponse>(&record.body)
+        {
+            // Promoted: the next lookup here is a local hit.
+            let expires_at_ms = record.expires_at_ms;
+            flight.fill(Arc::new(Entry {
+                model: model.into(),
+                body: record.body.as_slice().into(),
+                expires_at_ms,
+            }));
+            self.publish_memory();
+            if let Some(disk) = &self.disk {
+                disk.put(model, key, record.stored_at_ms, expires_at_ms, record.body);
+            }
+            return answer(model, wire, CacheStatus::Redis, "redis");
+        }
         count(model, "miss");
         Lookup::Miss(Ticket { key, model: model.to_string(), ttl, flight })
     }
@@ -228,6 +274,9 @@ impl Cache {
             expires_at_ms,
         }));
         self.publish_memory();
+        if let Some(redis) = &self.redis {
+            redis.put(&ticket.model, &ticket.key, stored_at_ms, expires_at_ms, &body);
+        }
         if let Some(disk) = &self.disk {
             disk.put(&ticket.model, ticket.key, stored_at_ms, expires_at_ms, body);
         }
@@ -241,10 +290,20 @@ impl Cache {
             None => self.memory.clear(),
         }
         self.publish_memory();
-        match &self.disk {
-            Some(disk) if disk.enabled() => disk.purge(model).await,
-            _ => Ok(0),
-        }
+        // This node's prefix in the shared layer too; a Redis that does not
+        // answer leaves its keys to their expiry.
+        let shared = match &self.redis {
+            Some(redis) => redis.purge(model).await.unwrap_or_else(|e| {
+                tracing::warn!("cache purge: Redis keys left to their expiry: {e}");
+                0
+            }),
+            None => 0,
+        };
+        let local = match &self.disk {
+            Some(disk) if disk.enabled() => disk.purge(model).await?,
+            _ => 0,
+        };
+        Ok(local + shared)
     }
 
     /// Waits until every answer queued for disk is written.
@@ -261,6 +320,7 @@ impl Cache {
             memory_bytes: self.memory.bytes(),
             memory_capacity_bytes: if self.options.enabled { self.memory.capacity() } else { 0 },
             disk: self.disk.as_ref().map(|d| d.stats()),
+            redis: self.redis_state(),
         }
     }
 
@@ -272,6 +332,16 @@ impl Cache {
             disk_enabled: disk.as_ref().is_some_and(|d| d.enabled),
             disk_entries: disk.as_ref().map(|d| d.entries).unwrap_or(0),
             problem: disk.and_then(|d| d.reason).or_else(|| self.disk_error.as_ref().map(DiskError::reason)),
+            redis: self.redis_state(),
+        }
+    }
+
+    /// The Redis layer's state, when one was asked for.
+    fn redis_state(&self) -> Option<RedisState> {
+        match (&self.redis, &self.redis_error) {
+            (Some(redis), _) => Some(redis.health()),
+            (None, Some(e)) => Some(RedisState { up: false, error: Some(e.to_string()) }),
+            (None, None) => None,
         }
     }
 
@@ -322,6 +392,7 @@ mod tests {
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,
+            redis: None,
         });
         let ttl = Duration::from_secs(60);
         // An escalated `digits` request answered by the cloud's `digits-large`.

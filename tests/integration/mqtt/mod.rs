@@ -10,6 +10,7 @@ mod http_access;
 mod lifecycle;
 mod mosquitto;
 mod observability;
+mod redis;
 pub mod support;
 
 use crate::{digits_request, heldout};

@@ -1,0 +1,278 @@
+//! The shared Redis cache tier on the real binary, against a real
+//! `redis-server` each test starts on a free port.
+
+use super::support::{Client, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape};
+use crate::{digits_request, heldout};
+use serde_json::{Value, json};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct RedisServer {
+    child: Child,
+    port: u16,
+    password: Option<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// `None` (SKIPPED, or a failure under CI=true) without redis-server.
+    fn start(port: Option<u16>, password: Option<&str>) -> Option<RedisServer> {
+        if Command::new("redis-server").arg("--version").output().is_err() {
+            crate::skipped("redis-server is not installed (apt-get install redis-server)");
+            return None;
+        }
+        let port = port.unwrap_or_else(free_port);
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(p) = password {
+            cmd.args(["--requirepass", p]);
+        }
+        let child = cmd.spawn().unwrap();
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(RedisServer { child, port, password: password.map(str::to_string), _dir: dir })
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["-p", &self.port.to_string()]);
+        if let Some(p) = &self.password {
+            cmd.args(["-a", p, "--no-auth-warning"]);
+        }
+        let out = cmd.args(args).output().unwrap();
+        assert!(out.status.success(), "redis-cli {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// The keys under `pattern`, waiting up to 5 s for at least `n`.
+    fn keys(&self, pattern: &str, n: usize) -> Vec<String> {
+        let start = Instant::now();
+        loop {
+            let keys: Vec<String> =
+                self.cli(&["--scan", "--pattern", pattern]).lines().map(str::to_string).collect();
+            if keys.len() >= n || start.elapsed() > Duration::from_secs(5) {
+                return keys;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn request(id: &str, i: usize) -> Value {
+    digits_request(id, &[heldout()[i].1.clone()])
+}
+
+fn cache_of(reply: &Value) -> &str {
+    reply["parameters"]["cache"].as_str().unwrap_or_else(|| panic!("no parameters.cache in {reply}"))
+}
+
+fn node(id: &str, url: &str, extra: &[(&str, &str)]) -> (Node, u16) {
+    let mut env = vec![("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", url)];
+    env.extend_from_slice(extra);
+    let (node, _, port) = embedded_node_with_http(id, &env);
+    (node, port)
+}
+
+#[test]
+fn nodes_share_answers_through_redis_every_key_expires_and_a_bad_value_is_a_miss() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let (_a, a) = node("gw-r1", &redis.url(), &[]);
+    let (_b, b) = node("gw-r2", &redis.url(), &[]);
+    let first = infer_digits(a, &request("a1", 3));
+    assert_eq!(cache_of(&first), "miss");
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 1).len(), 1, "stored off the request path, soon");
+    // A node that never saw the request: the answer from the shared tier.
+    let shared = infer_digits(b, &request("b1", 3));
+    assert_eq!(cache_of(&shared), "redis", "{shared}");
+    assert_eq!(shared["id"], "b1");
+    assert_eq!(shared["outputs"], first["outputs"]);
+    // Promoted to its own layers.
+    assert_eq!(cache_of(&infer_digits(b, &request("b2", 3))), "memory");
+    let metrics = scrape(b);
+    assert_eq!(sample(&metrics, &["edgeinfer_cache_lookups_total{", "result=\"redis\""]), 1.0);
+    assert_eq!(sample(&metrics, &["edgeinfer_cache_redis_up"]), 1.0);
+
+    // Every key expires: by default with the answer's cache TTL (a day).
+    for i in 4..8 {
+        infer_digits(a, &request(&format!("a{i}"), i));
+    }
+    let keys = redis.keys("edgeinfer:v1:digits:*", 5);
+    assert_eq!(keys.len(), 5);
+    for key in &keys {
+        let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
+        assert!(ttl > 86_000 && ttl <= 86_400, "{key}: TTL {ttl}");
+    }
+
+    // A value that fails its checksum is a miss, counted, never served.
+    let before: Vec<String> = keys.clone();
+    infer_digits(a, &request("a9", 9));
+    let nine = redis.keys("edgeinfer:v1:digits:*", 6).into_iter().find(|k| !before.contains(k)).unwrap();
+    redis.cli(&["SET", &nine, "not a record", "EX", "60"]);
+    let reply = infer_digits(b, &request("b9", 9));
+    assert_eq!(cache_of(&reply), "miss", "{reply}");
+    assert_eq!(reply["outputs"], infer_digits(a, &request("a9b", 9))["outputs"]);
+    let metrics = scrape(b);
+    assert_eq!(sample(&metrics, &["edgeinfer_cache_redis_errors_total{", "reason=\"corrupt\""]), 1.0);
+
+    // Purging a model reaches this node's keys in the shared tier.
+    let purged = crate::cli::edgeinfer(
+        &["cache", "purge", "-m", "digits", "--url", &format!("http://127.0.0.1:{a}")],
+        None,
+        &[("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", &redis.url())],
+    );
+    let text = String::from_utf8_lossy(&purged.stdout);
+    assert!(purged.status.success(), "{text}{}", String::from_utf8_lossy(&purged.stderr));
+    assert!(text.contains("entries removed from disk and Redis"), "{text}");
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 0).len(), 0, "{text}");
+}
+
+#[test]
+fn redis_down_at_start_costs_misses_and_is_used_once_it_is_up() {
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let env = [
+        ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+        ("EDGEINFER_CACHE__REDIS__URL", url.as_str()),
+        ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "50"),
+    ];
+    let (node, mqtt, http) = embedded_node_with_http("gw-r3", &env);
+    let start = Instant::now();
+    let reply = infer_digits(http, &request("d1", 1));
+    assert_eq!(cache_of(&reply), "miss");
+    assert!(start.elapsed() < Duration::from_secs(2), "a dead Redis never stalls a request");
+    let (_, stats) = get_json(http, "/cache/stats");
+    assert_eq!(stats["redis"]["up"], false, "{stats}");
+    let why = stats["redis"]["error"].as_str().unwrap_or_else(|| panic!("{stats}"));
+    assert!(why.contains("refused") || why.contains("not connected"), "{why}");
+    assert_eq!(sample(&scrape(http), &["edgeinfer_cache_redis_up"]), 0.0);
+    // The retained status says the layer is down, and why.
+    let status = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = Client::connect(mqtt, "watch-r3", &["edgeinfer/gw-r3/status"]).await;
+        c.next_json().await.1
+    });
+    assert_eq!(status["cache"]["redis"]["up"], false, "{status}");
+    assert!(status["cache"]["redis"]["error"].is_string(), "{status}");
+
+    // Redis comes up: without a restart, answers go there again.
+    let Some(redis) = RedisServer::start(Some(port), None) else { return };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut i = 10;
+    while redis.keys("edgeinfer:v1:digits:*", 0).is_empty() {
+        assert!(Instant::now() < deadline, "no answer reached Redis after it came up: {:?}", node.log);
+        infer_digits(http, &request(&format!("d{i}"), i));
+        i += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(sample(&scrape(http), &["edgeinfer_cache_redis_up"]), 1.0);
+    assert_eq!(get_json(http, "/cache/stats").1["redis"], json!({"up": true}));
+}
+
+#[test]
+fn auth_with_a_password_file_works_and_the_password_is_shown_nowhere() {
+    let password = "s3cret-Pa55word-for-the-site";
+    let Some(redis) = RedisServer::start(None, Some(password)) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    let file = file.to_str().unwrap();
+    let env = [("EDGEINFER_CACHE__REDIS__PASSWORD_FILE", file), ("EDGEINFER_LOG", "debug,rumqttd=warn")];
+    let (a_node, a) = node("gw-r4", &redis.url(), &env);
+    let (b_node, b) = node("gw-r5", &redis.url(), &env);
+    assert_eq!(cache_of(&infer_digits(a, &request("p1", 2))), "miss");
+    redis.keys("edgeinfer:v1:digits:*", 1);
+    assert_eq!(cache_of(&infer_digits(b, &request("p2", 2))), "redis");
+    // Without the password the layer is down, says so, and serving goes on.
+    let (c_node, c) = node("gw-r6", &redis.url(), &[("EDGEINFER_LOG", "debug,rumqttd=warn")]);
+    assert_eq!(cache_of(&infer_digits(c, &request("p3", 2))), "miss");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let why = loop {
+        let (_, stats) = get_json(c, "/cache/stats");
+        if let Some(why) = stats["redis"]["error"].as_str()
+            && (why.contains("NOAUTH") || why.contains("Authentication") || why.contains("auth"))
+        {
+            break why.to_string();
+        }
+        assert!(Instant::now() < deadline, "{stats}");
+        infer_digits(c, &request("p4", 2));
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!why.contains(password));
+    for (node, port) in [(&a_node, a), (&b_node, b), (&c_node, c)] {
+        let log = node.log.lock().unwrap().join("\n");
+        assert!(!log.contains(password), "the password in {}'s log", node.id);
+        let (_, stats) = get_json(port, "/cache/stats");
+        assert!(!stats.to_string().contains(password));
+        assert!(!scrape(port).contains(password));
+    }
+}
+
+#[test]
+fn redis_killed_while_serving_loses_no_request_and_is_used_again_when_back() {
+    let Some(mut redis) = RedisServer::start(None, None) else { return };
+    let port = redis.port;
+    let (_node, http) = node("gw-r7", &redis.url(), &[("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "50")]);
+    let split = heldout();
+    // Distinct requests (a new first pixel each), so each one looks Redis up.
+    let distinct = |i: usize| {
+        let mut px = split[i % split.len()].1.clone();
+        px[0] = (i / split.len()) as f64 + 20.0;
+        digits_request(&format!("k{i}"), &[px])
+    };
+    for i in 0..20 {
+        assert_eq!(cache_of(&infer_digits(http, &distinct(i))), "miss");
+    }
+    redis.keys("edgeinfer:v1:digits:*", 20);
+    let _ = redis.child.kill();
+    let _ = redis.child.wait();
+    // Every request is answered (infer_digits asserts HTTP 200), in time.
+    let start = Instant::now();
+    for i in 20..120 {
+        let reply = infer_digits(http, &distinct(i));
+        assert_eq!(reply["model_name"], "digits");
+    }
+    assert!(start.elapsed() < Duration::from_secs(20), "100 requests took {:?}", start.elapsed());
+    let metrics = scrape(http);
+    assert_eq!(sample(&metrics, &["edgeinfer_cache_redis_up"]), 0.0);
+    assert!(
+        sample(&metrics, &["edgeinfer_cache_redis_errors_total{", "reason=\"error\""]) >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(get_json(http, "/cache/stats").1["redis"]["up"], false);
+    drop(redis);
+
+    // Back on the same port, empty: answers reach it again, no restart.
+    let Some(redis) = RedisServer::start(Some(port), None) else { return };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut i = 120;
+    while redis.keys("edgeinfer:v1:digits:*", 0).is_empty() {
+        assert!(Instant::now() < deadline, "no answer reached Redis after it came back");
+        infer_digits(http, &distinct(i));
+        i += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(sample(&scrape(http), &["edgeinfer_cache_redis_up"]), 1.0);
+}
