@@ -100,9 +100,11 @@ impl<'a> Cascade<'a> {
         self.escalation.map(|_| self.tier)
     }
 
-    /// A cached answer as this request's reply.
+    /// A cached answer as this request's reply: its id, and this node as
+    /// the one answering (a Redis hit was computed by another).
     pub fn cached(&self, mut response: InferResponse, id: &str) -> InferResponse {
         id.clone_into(&mut response.id);
+        self.node.clone_into(&mut response.parameters.node);
         response.parameters.is_final = self.final_if_async();
         response
     }

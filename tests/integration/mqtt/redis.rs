@@ -1,9 +1,12 @@
 //! The shared Redis cache tier on the real binary, against a real
 //! `redis-server` each test starts on a free port.
 
-use super::support::{Client, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape};
+use super::support::{
+    Client, Mosquitto, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape,
+};
 use crate::{digits_request, heldout};
 use serde_json::{Value, json};
+use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -105,10 +108,12 @@ fn nodes_share_answers_through_redis_every_key_expires_and_a_bad_value_is_a_miss
     let first = infer_digits(a, &request("a1", 3));
     assert_eq!(cache_of(&first), "miss");
     assert_eq!(redis.keys("edgeinfer:v1:digits:*", 1).len(), 1, "stored off the request path, soon");
+    assert_eq!(cache_of(&infer_digits(a, &request("a1b", 3))), "memory", "the node that computed it");
     // A node that never saw the request: the answer from the shared tier.
     let shared = infer_digits(b, &request("b1", 3));
     assert_eq!(cache_of(&shared), "redis", "{shared}");
     assert_eq!(shared["id"], "b1");
+    assert_eq!(shared["parameters"]["node"], "gw-r2", "the node that answered, not the one that computed it");
     assert_eq!(shared["outputs"], first["outputs"]);
     // Promoted to its own layers.
     assert_eq!(cache_of(&infer_digits(b, &request("b2", 3))), "memory");
@@ -275,4 +280,52 @@ fn redis_killed_while_serving_loses_no_request_and_is_used_again_when_back() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(sample(&scrape(http), &["edgeinfer_cache_redis_up"]), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_in_one_share_group_share_answers_and_a_new_node_hits_from_its_first_request() {
+    let Some(broker) = Mosquitto::start() else { return };
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let url = redis.url();
+    let env = [("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", url.as_str())];
+    let _site: Vec<Node> =
+        ["gw-s1", "gw-s2", "gw-s3"].iter().map(|id| Node::start(&broker.url(), id, &env)).collect();
+    let mut device = Client::connect(broker.port, "dev-site", &["devices/site/replies"]).await;
+    let n = 60;
+    let mut round = async |name: &str, topic: &str, rows: Vec<usize>| {
+        for &i in &rows {
+            let id = format!("{name}-{i}");
+            let payload = request(&id, i).to_string().into_bytes();
+            device.request(topic, payload, "devices/site/replies", id.as_bytes(), None).await;
+        }
+        let mut replies: HashMap<usize, (String, String)> = HashMap::new();
+        while replies.len() < rows.len() {
+            let (_, body) = device.next_json().await;
+            let i: usize = body["id"].as_str().unwrap().rsplit('-').next().unwrap().parse().unwrap();
+            let node = body["parameters"]["node"].as_str().unwrap().to_string();
+            let previous = replies.insert(i, (node, cache_of(&body).to_string()));
+            assert!(previous.is_none(), "row {i} answered twice");
+        }
+        replies
+    };
+    let first = round("one", "edgeinfer/infer/digits", (0..n).collect()).await;
+    assert!(first.values().all(|(_, cache)| cache == "miss"), "{first:?}");
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", n).len(), n);
+    // The same rows again (in reverse: mosquitto deals a share group's
+    // messages round robin), spread over the group: nothing is computed
+    // twice, and a row that lands on another node than the one that
+    // computed it is a Redis hit there.
+    let second = round("two", "edgeinfer/infer/digits", (0..n).rev().collect()).await;
+    for (i, (node, cache)) in &second {
+        let computed_by = &first[i].0;
+        let expected = if node == computed_by { "memory" } else { "redis" };
+        assert_eq!(cache, expected, "row {i}: computed on {computed_by}, asked of {node}");
+    }
+    let shared = second.values().filter(|(_, cache)| cache == "redis").count();
+    assert!(shared > 0, "the share group sent no row to another node: {second:?}");
+    eprintln!("site of 3: {shared} of {n} repeated rows answered from Redis");
+    // A node with an empty disk, new to the site: hits from its first request.
+    let _fresh = Node::start(&broker.url(), "gw-s4", &env);
+    let fresh = round("three", "edgeinfer/gw-s4/infer/digits", vec![0]).await;
+    assert_eq!(fresh[&0], ("gw-s4".to_string(), "redis".to_string()));
 }
