@@ -107,6 +107,9 @@ impl Node {
             }
         }
         let engine = Arc::new(engine);
+        if metrics.is_some() {
+            tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
+        }
         if let Some((cloud, task)) = spool_task {
             tokio::spawn(task.run(cloud));
             engine.finish_escalations(settled_rx, follow_ups);
@@ -352,6 +355,18 @@ fn embedded_listen(url: SocketAddr, configured: Option<&str>) -> Result<SocketAd
 const START_EXTENSION: Duration = Duration::from_secs(60);
 
 /// Resolves once the stop flag is set.
+/// Every 5 s, each model's share of time busy (`edgeinfer_inference_busy_ratio`),
+/// until the engine is gone.
+async fn publish_saturation(engine: std::sync::Weak<Engine>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(engine) = engine.upgrade() else { return };
+        engine.publish_saturation();
+    }
+}
+
 async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }

@@ -260,6 +260,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets each served model's saturation gauge: the share of the time
+    /// since the previous call its inference threads were busy.
+    pub fn publish_saturation(&self) {
+        let generation = self.current();
+        for model in generation.registry.active() {
+            if let Ok(runner) = generation.runners.get(model.name(), Some(model.version())) {
+                metrics::gauge!(telemetry::INFERENCE_BUSY, "model" => model.name().to_string())
+                    .set(runner.busy_share());
+            }
+        }
+    }
+
     /// The models in service now.
     pub fn registry(&self) -> Arc<Registry> {
         self.current().registry.clone()

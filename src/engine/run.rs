@@ -22,6 +22,11 @@ pub struct Runner {
     /// full queue with no batch finished since is a wedged model.
     finished: Arc<AtomicU64>,
     probed: AtomicU64,
+    /// Nanoseconds its threads spent running batches, and when and at what
+    /// count the saturation gauge last read it.
+    busy_ns: Arc<AtomicU64>,
+    threads: usize,
+    sampled: Mutex<(Instant, u64)>,
 }
 
 /// What an inference thread runs on a packed batch.
@@ -71,15 +76,24 @@ impl Runner {
         let finished = Arc::new(AtomicU64::new(0));
         // The threads running a batch now: a window waits only while one is.
         let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let busy_ns = Arc::new(AtomicU64::new(0));
         for i in 0..threads.max(1) {
             let name = model.name().to_string();
-            let (queued, policy, run, finished, running) =
-                (queued.clone(), policy.clone(), run.clone(), finished.clone(), running.clone());
+            let (queued, policy, run, finished, running, busy_ns) = (
+                queued.clone(),
+                policy.clone(),
+                run.clone(),
+                finished.clone(),
+                running.clone(),
+                busy_ns.clone(),
+            );
             std::thread::Builder::new()
                 .name(format!("infer-{name}-{i}"))
                 .spawn(move || {
                     let guarded = |rows: usize, input: &TensorData| {
+                        let started = Instant::now();
                         let outcome = catch_unwind(AssertUnwindSafe(|| run(rows, input)));
+                        busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
                         finished.fetch_add(1, Ordering::Relaxed);
                         outcome.unwrap_or_else(|panic| {
                             let why = panic_message(&*panic);
@@ -99,7 +113,26 @@ impl Runner {
                 // The threads already started end when `queue` drops.
                 .map_err(|source| SpawnError { model: model.name().to_string(), source })?;
         }
-        Ok(Runner { model, queue, finished, probed: AtomicU64::new(0) })
+        let sampled = Mutex::new((Instant::now(), 0));
+        Ok(Runner {
+            model,
+            queue,
+            finished,
+            probed: AtomicU64::new(0),
+            busy_ns,
+            threads: threads.max(1),
+            sampled,
+        })
+    }
+
+    /// The share of the time since the previous call (0 to 1) that its
+    /// inference threads spent running batches: how saturated the model is.
+    pub fn busy_share(&self) -> f64 {
+        let busy = self.busy_ns.load(Ordering::Relaxed);
+        let mut sampled = self.sampled.lock().unwrap_or_else(|e| e.into_inner());
+        let (since, before) = std::mem::replace(&mut *sampled, (Instant::now(), busy));
+        let elapsed = since.elapsed().as_nanos() as f64 * self.threads as f64;
+        if elapsed <= 0.0 { 0.0 } else { ((busy - before) as f64 / elapsed).min(1.0) }
     }
 
     /// Whether a batch finished since the previous call (the watchdog's
@@ -249,6 +282,27 @@ mod tests {
         }
         assert!(runner.progressed(), "six batches finished");
         assert!(!runner.progressed(), "none since");
+    }
+
+    #[tokio::test]
+    async fn busy_share_is_the_time_spent_running_batches() {
+        let model = digits();
+        let inner = model.clone();
+        let run: Arc<RunBatch> = Arc::new(move |rows, input: &TensorData| {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            inner.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
+        });
+        let runner = Runner::start_with(model, BatchPolicy::default(), 1, 4, run).unwrap();
+        runner.busy_share();
+        for _ in 0..5 {
+            let p = Prepared { rows: 1, input: TensorData::F32(vec![0.5; 64]) };
+            runner.run(p, None).await.unwrap();
+        }
+        // Five batches of 20 ms, one after another: busy nearly all along.
+        let share = runner.busy_share();
+        assert!(share > 0.6 && share <= 1.0, "{share}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert_eq!(runner.busy_share(), 0.0, "idle since");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

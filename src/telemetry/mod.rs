@@ -26,6 +26,9 @@ pub const MQTT_REPLIES_REFUSED: &str = "edgeinfer_mqtt_replies_refused_total";
 pub const REQUEST_PANICS: &str = "edgeinfer_request_panics_total";
 /// Panics in an inference thread, by `model` (its batch got `internal`).
 pub const INFERENCE_PANICS: &str = "edgeinfer_inference_panics_total";
+/// The share of the last interval (5 s) a model's inference threads spent
+/// running batches, by `model`: 1 is saturated, the signal to add nodes.
+pub const INFERENCE_BUSY: &str = "edgeinfer_inference_busy_ratio";
 /// Requests between arrival and reply, by `model`.
 pub const IN_FLIGHT: &str = "edgeinfer_in_flight_requests";
 pub const MQTT_CONNECTED: &str = "edgeinfer_mqtt_connected";
@@ -208,6 +211,10 @@ pub fn install() -> Option<PrometheusHandle> {
         "Disk cache stores moved aside because they could not be opened"
     );
     metrics::describe_gauge!(CACHE_DISK_ENABLED, "1 while the disk cache layer works");
+    metrics::describe_gauge!(
+        INFERENCE_BUSY,
+        "Share of the last 5 s the model's inference threads spent running batches (1: saturated)"
+    );
     metrics::describe_gauge!(CACHE_REDIS_UP, "1 while the shared Redis cache layer answers");
     metrics::describe_counter!(
         CACHE_REDIS_ERRORS,
