@@ -1,9 +1,10 @@
-//! The response cache in process: key cost, memory hit, disk hit and disk
-//! write per entry, and what an entry takes on disk. Run with
-//! `cargo bench --bench cache`; docs/BENCHMARKS.md records the figures.
+//! The response cache in process: key cost, memory hit, disk hit, Redis
+//! hit (where `redis-server` is installed: the bench starts one on
+//! loopback) and disk write per entry, and what an entry takes on disk. Run
+//! with `cargo bench --bench cache`; docs/BENCHMARKS.md records the figures.
 
 use criterion::Criterion;
-use edgeinfer::engine::cache::{Cache, CacheOptions, Key, Lookup};
+use edgeinfer::engine::cache::{Cache, CacheOptions, Key, Lookup, RedisOptions};
 use edgeinfer::model::{LoadedModel, RuntimeOptions};
 use edgeinfer::protocol::{Datatype, InferRequest, InferResponse, OutputTensor, TensorData};
 use std::collections::HashMap;
@@ -123,6 +124,8 @@ fn main() {
     });
     drop(cold);
 
+    redis_hits(&mut c, &rt, n);
+
     // Disk writes: the writer's cost per entry, measured to the flush.
     let dir = tempfile::tempdir().unwrap();
     let fresh = Cache::open(options(dir.path(), 0));
@@ -149,4 +152,64 @@ fn main() {
     fill(&rt, &warm, 0, n);
     let s = warm.stats();
     println!("memory bytes per entry: {:.0}", s.memory_bytes as f64 / s.memory_entries as f64);
+}
+
+/// Redis hits: no memory or disk layer, so every lookup is one round trip
+/// to a `redis-server` on loopback, the record's checksum and the decode.
+fn redis_hits(c: &mut Criterion, rt: &tokio::runtime::Runtime, n: u64) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let Ok(mut server) = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .arg("--dir")
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+    else {
+        println!("cache/redis hit: SKIPPED, redis-server is not installed");
+        return;
+    };
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let keys = || -> u64 {
+        let out = std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "DBSIZE"]).output();
+        out.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()).unwrap_or(0)
+    };
+    let options = CacheOptions {
+        redis: Some(RedisOptions {
+            url: format!("redis://127.0.0.1:{port}"),
+            password_file: None,
+            key_prefix: "bench".into(),
+            ttl: None,
+            timeout: Duration::from_millis(100),
+        }),
+        ..options(&dir.path().join("none"), 0)
+    };
+    let shared = rt.block_on(async { Cache::open(CacheOptions { disk_bytes: 0, ..options }) });
+    let response = reply();
+    rt.block_on(async {
+        // In steps the writer's queue holds, each written before the next.
+        for step in (0..n).step_by(500) {
+            for i in step..(step + 500).min(n) {
+                if let Lookup::Miss(ticket) = shared.lookup("digits", key(i), Duration::from_secs(3600)).await {
+                    shared.store(Some(ticket), &response);
+                }
+            }
+            while keys() < (step + 500).min(n) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    let mut i = 0;
+    c.bench_function("cache/redis hit (loopback round trip, checksum, decode)", |b| {
+        b.iter(|| {
+            i = (i + 1) % n;
+            let found = rt.block_on(shared.lookup("digits", key(i), Duration::from_secs(3600)));
+            assert!(matches!(found, Lookup::Hit(_)));
+        })
+    });
+    drop(shared);
+    let _ = server.kill();
+    let _ = server.wait();
 }
