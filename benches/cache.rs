@@ -192,7 +192,8 @@ fn redis_hits(c: &mut Criterion, rt: &tokio::runtime::Runtime, n: u64) {
         // In steps the writer's queue holds, each written before the next.
         for step in (0..n).step_by(500) {
             for i in step..(step + 500).min(n) {
-                if let Lookup::Miss(ticket) = shared.lookup("digits", key(i), Duration::from_secs(3600)).await {
+                if let Lookup::Miss(ticket) = shared.lookup("digits", key(i), Duration::from_secs(3600)).await
+                {
                     shared.store(Some(ticket), &response);
                 }
             }

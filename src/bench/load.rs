@@ -9,7 +9,7 @@ use hdrhistogram::Histogram;
 use rumqttc::v5::AsyncClient;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -27,6 +27,17 @@ struct Outcome {
     requests: u64,
     errors: u64,
     unanswered: u64,
+    by_node: BTreeMap<String, u64>,
+    by_cache: BTreeMap<String, u64>,
+}
+
+/// The string value of `"name":"..."` in a JSON reply, found without
+/// parsing it (the load generator's CPU is part of what is measured).
+fn string_field<'a>(payload: &'a [u8], name: &str) -> Option<&'a str> {
+    let needle = format!("\"{name}\":\"");
+    let at = payload.windows(needle.len()).position(|w| w == needle.as_bytes())? + needle.len();
+    let len = payload[at..].iter().position(|&b| b == b'"')?;
+    std::str::from_utf8(&payload[at..at + len]).ok()
 }
 
 pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
@@ -64,12 +75,19 @@ pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
     });
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
     let (mut requests, mut errors, mut unanswered) = (0, 0, 0);
+    let (mut by_node, mut by_cache) = (BTreeMap::new(), BTreeMap::new());
     for task in tasks {
         if let Ok(outcome) = task.await {
             histogram.add(&outcome.histogram).expect("same bounds");
             requests += outcome.requests;
             errors += outcome.errors;
             unanswered += outcome.unanswered;
+            for (node, n) in outcome.by_node {
+                *by_node.entry(node).or_default() += n;
+            }
+            for (layer, n) in outcome.by_cache {
+                *by_cache.entry(layer).or_default() += n;
+            }
         }
     }
     if let Some(p) = progress {
@@ -89,6 +107,8 @@ pub async fn run(options: BenchOptions) -> Result<Report, BenchError> {
         unanswered,
         throughput_rps: requests as f64 / duration_s,
         latency_us: Percentiles::of(&histogram),
+        by_node: options.tally.then_some(by_node),
+        by_cache: options.tally.then_some(by_cache),
     })
 }
 
@@ -136,6 +156,7 @@ impl Connection {
         let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("valid bounds");
         let mut in_flight: HashMap<u64, Instant> = HashMap::new();
         let (mut requests, mut errors, mut seq) = (0u64, 0u64, 0u64);
+        let (mut by_node, mut by_cache) = (BTreeMap::new(), BTreeMap::new());
         // Open loop: this connection's share of the rate, Poisson arrivals.
         let per_connection = options.rate.map(|r| r / options.connections.max(1) as f64);
         let mut next_send = Instant::now();
@@ -186,6 +207,14 @@ impl Connection {
                 let _ = histogram.record((done - sent).as_micros().max(1) as u64);
                 requests += 1;
                 errors += is_error as u64;
+                if options.tally {
+                    let count = |tally: &mut BTreeMap<String, u64>, field| {
+                        let value = string_field(&reply.payload, field).unwrap_or("-");
+                        *tally.entry(value.to_string()).or_default() += 1;
+                    };
+                    count(&mut by_node, "node");
+                    count(&mut by_cache, "cache");
+                }
             }
             counters.replies.fetch_add(1, Ordering::Relaxed);
             counters.errors.fetch_add(is_error as u64, Ordering::Relaxed);
@@ -197,6 +226,6 @@ impl Connection {
             }
         }
         let _ = self.client.disconnect().await;
-        Outcome { histogram, requests, errors, unanswered: in_flight.len() as u64 }
+        Outcome { histogram, requests, errors, unanswered: in_flight.len() as u64, by_node, by_cache }
     }
 }

@@ -34,6 +34,9 @@ pub struct BenchOptions {
     pub qos1: bool,
     /// Print a progress line each second on standard error.
     pub progress: bool,
+    /// Count the replies by the node that answered and the cache layer
+    /// (`parameters.node`, `parameters.cache`): a site's spread.
+    pub tally: bool,
 }
 
 /// What each request carries.
@@ -44,7 +47,9 @@ pub enum Payload {
     Fixed(bytes::Bytes),
     /// `head`, a number unique to the request (counted from `first`),
     /// `tail`: every request differs, so each one misses a node's cache.
-    Numbered { head: bytes::Bytes, tail: bytes::Bytes, first: u64 },
+    /// With `keys`, the numbers repeat after that many: each input is asked
+    /// again and again, as a site's devices do.
+    Numbered { head: bytes::Bytes, tail: bytes::Bytes, first: u64, keys: Option<u64> },
 }
 
 impl Payload {
@@ -52,8 +57,9 @@ impl Payload {
     pub fn bytes(&self, k: usize, of: usize, seq: u64) -> bytes::Bytes {
         match self {
             Payload::Fixed(b) => b.clone(),
-            Payload::Numbered { head, tail, first } => {
-                let n = first + seq * of as u64 + k as u64;
+            Payload::Numbered { head, tail, first, keys } => {
+                let n = seq * of as u64 + k as u64;
+                let n = first + keys.map_or(n, |keys| n % keys.max(1));
                 let mut out = Vec::with_capacity(head.len() + tail.len() + 20);
                 out.extend_from_slice(head);
                 out.extend_from_slice(n.to_string().as_bytes());
@@ -82,12 +88,16 @@ mod tests {
     /// (`--distinct-from`), so no request repeats one of an earlier minute.
     #[test]
     fn numbered_requests_count_from_the_offset_without_overlap_across_connections() {
-        let payload = |first| Payload::Numbered { head: "[".into(), tail: "]".into(), first };
+        let payload = |first| Payload::Numbered { head: "[".into(), tail: "]".into(), first, keys: None };
         let text = |p: &Payload, k, seq| String::from_utf8(p.bytes(k, 2, seq).to_vec()).unwrap();
         let (first_run, later_run) = (payload(0), payload(200_000));
         assert_eq!(text(&first_run, 0, 0), "[0]");
         assert_eq!(text(&first_run, 1, 0), "[1]");
         assert_eq!(text(&first_run, 0, 1), "[2]");
         assert_eq!(text(&later_run, 1, 3), "[200007]");
+        // With --keys the inputs come round again.
+        let site = Payload::Numbered { head: "[".into(), tail: "]".into(), first: 5, keys: Some(3) };
+        let seen: Vec<String> = (0..4).map(|seq| text(&site, 0, seq)).collect();
+        assert_eq!(seen, ["[5]", "[7]", "[6]", "[5]"]);
     }
 }

@@ -1,5 +1,6 @@
 use hdrhistogram::Histogram;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// What a run measured; `--json` prints it as is.
 #[derive(Debug, Clone, Serialize)]
@@ -18,6 +19,12 @@ pub struct Report {
     pub unanswered: u64,
     pub throughput_rps: f64,
     pub latency_us: Percentiles,
+    /// With `--shared`: measured replies by `parameters.node`, and by
+    /// `parameters.cache` (`miss`, `memory`, `disk`, `redis`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by_node: Option<BTreeMap<String, u64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by_cache: Option<BTreeMap<String, u64>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -60,6 +67,21 @@ impl std::fmt::Display for Report {
             f,
             "round trip us: p50 {}  p95 {}  p99 {}  p99.9 {}  max {}  mean {:.0}",
             l.p50, l.p95, l.p99, l.p999, l.max, l.mean
-        )
+        )?;
+        let share = |counts: &BTreeMap<String, u64>| {
+            let total = counts.values().sum::<u64>().max(1) as f64;
+            counts
+                .iter()
+                .map(|(k, n)| format!("{k} {:.1}%", *n as f64 * 100.0 / total))
+                .collect::<Vec<_>>()
+                .join("  ")
+        };
+        if let Some(nodes) = &self.by_node {
+            write!(f, "\nanswered by: {}", share(nodes))?;
+        }
+        if let Some(layers) = &self.by_cache {
+            write!(f, "\ncache: {}", share(layers))?;
+        }
+        Ok(())
     }
 }

@@ -18,7 +18,9 @@ pub struct BenchArgs {
     /// Node to address (PREFIX/NODE/infer/MODEL); default: node.id from the config.
     #[arg(long)]
     node: Option<String>,
-    /// Address the share group (PREFIX/infer/MODEL) instead of one node.
+    /// Address the share group (PREFIX/infer/MODEL) instead of one node, and
+    /// report the share of replies each node gave and each cache layer
+    /// answered.
     #[arg(long, conflicts_with = "node")]
     shared: bool,
     /// Request payload file (OIP JSON); default: one 64-pixel digits row.
@@ -53,6 +55,11 @@ pub struct BenchArgs {
     /// soak, benches/soak.sh) misses the cache as well.
     #[arg(long, value_name = "N", default_value_t = 0, requires = "distinct")]
     distinct_from: u64,
+    /// With --distinct: N different inputs, asked round and round, so the
+    /// cache layers answer the repeats (with --shared: where a site's
+    /// answers come from, `answered by` and `cache` in the report).
+    #[arg(long, value_name = "N", requires = "distinct", value_parser = clap::value_parser!(u64).range(1..))]
+    keys: Option<u64>,
     /// Send `parameters.cache = false`: the node skips its cache.
     #[arg(long, conflicts_with = "input")]
     no_cache: bool,
@@ -107,6 +114,7 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
         warmup: Duration::from_secs_f64(args.warmup.max(0.0)),
         qos1: args.qos == 1,
         progress: !args.json,
+        tally: args.shared,
     };
     let report = edgeinfer::bench::run(options).await?;
     if args.json {
@@ -139,5 +147,5 @@ fn payload(args: &BenchArgs) -> Result<Payload> {
     let at = text.find("\"data\":[").expect("the request has data") + "\"data\":[".len();
     let end = at + text[at..].find(',').expect("64 pixels");
     let (head, tail) = (text[..at].to_string(), text[end..].to_string());
-    Ok(Payload::Numbered { head: head.into(), tail: tail.into(), first: args.distinct_from })
+    Ok(Payload::Numbered { head: head.into(), tail: tail.into(), first: args.distinct_from, keys: args.keys })
 }
