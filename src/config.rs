@@ -750,6 +750,16 @@ impl Config {
                 format!("{:?}: use redis://HOST:PORT, or rediss://HOST:PORT for TLS", redis.url),
             );
         }
+        // A password in the URL would reach logs and the status with it.
+        if let Some((authority, _)) = redis.url.split_once("://").and_then(|(_, rest)| rest.split_once('@'))
+            && authority.contains(':')
+        {
+            return bad(
+                "cache.redis.url",
+                "has a password in it: put the password in cache.redis.password_file and leave it out of the URL"
+                    .into(),
+            );
+        }
         if redis.key_prefix.is_empty() || redis.key_prefix.contains(['*', '?', '[', ']', ' ']) {
             return bad(
                 "cache.redis.key_prefix",
@@ -964,6 +974,11 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("cache.redis.url") && err.contains("redis://"), "{err}");
+        let err =
+            Config::load_with_env(None, env(&[("EDGEINFER_CACHE__REDIS__URL", "redis://u:hunter2@h:6379")]))
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("password_file") && !err.contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -354,7 +354,6 @@ fn embedded_listen(url: SocketAddr, configured: Option<&str>) -> Result<SocketAd
 /// How much more time each start-timeout extension asks for.
 const START_EXTENSION: Duration = Duration::from_secs(60);
 
-/// Resolves once the stop flag is set.
 /// Every 5 s, each model's share of time busy (`edgeinfer_inference_busy_ratio`),
 /// until the engine is gone.
 async fn publish_saturation(engine: std::sync::Weak<Engine>) {
@@ -367,6 +366,7 @@ async fn publish_saturation(engine: std::sync::Weak<Engine>) {
     }
 }
 
+/// Resolves once the stop flag is set.
 async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }

@@ -77,6 +77,10 @@ impl Capture {
             OpenOptions::new().create(true).read(true).append(true).open(&options.path).map_err(error)?;
         // A restart goes on counting towards the same bounds.
         let (records, bytes) = count(&mut file).map_err(error)?;
+        // A line torn by a crash is cut off, so the next record starts on
+        // a line of its own and the file stays readable.
+        let whole = complete_lines(&mut file).map_err(error)?;
+        let bytes = bytes.min(whole);
         let full = Arc::new(AtomicBool::new(false));
         let (tx, rx) = sync_channel(QUEUE);
         let writer = Writer {
@@ -130,6 +134,19 @@ fn count(file: &mut File) -> std::io::Result<(u64, u64)> {
     let mut text = Vec::new();
     file.read_to_end(&mut text)?;
     Ok((text.iter().filter(|&&b| b == b'\n').count() as u64, text.len() as u64))
+}
+
+/// Truncates the file after its last newline; the length it keeps.
+fn complete_lines(file: &mut File) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut text = Vec::new();
+    file.seek(SeekFrom::Start(0))?;
+    file.read_to_end(&mut text)?;
+    let keep = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) as u64;
+    if keep < text.len() as u64 {
+        file.set_len(keep)?;
+    }
+    Ok(keep)
 }
 
 struct Writer {
@@ -237,6 +254,10 @@ mod tests {
         // A restart with the same bound adds nothing; a larger one goes on.
         capture(options(dir.path(), 5, 1 << 20), 3);
         assert_eq!(Rows::read_capture(&dir.path().join(FILE_NAME)).unwrap().features.len(), 5);
+        // A record torn by a crash is cut off at the next start.
+        let mut file = OpenOptions::new().append(true).open(dir.path().join(FILE_NAME)).unwrap();
+        file.write_all(b"{\"time_s\":1,\"mod").unwrap();
+        drop(file);
         capture(options(dir.path(), 7, 1 << 20), 3);
         assert_eq!(Rows::read_capture(&dir.path().join(FILE_NAME)).unwrap().features.len(), 7);
 

@@ -60,8 +60,9 @@ impl Health {
         if !self.up.swap(true, Ordering::Relaxed) {
             tracing::info!("cache: Redis layer up");
             *self.error.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            metrics::gauge!(telemetry::CACHE_REDIS_UP).set(1.0);
         }
+        // Set every time: a failure racing this one cannot leave it at 0.
+        metrics::gauge!(telemetry::CACHE_REDIS_UP).set(1.0);
     }
 
     fn failed(&self, reason: &'static str, error: String) {

@@ -191,6 +191,11 @@ fn npy_numbers(path: &Path) -> Result<(Vec<u64>, Vec<f64>), DataError> {
     let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
     let file = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad(format!("not a NumPy .npy file: {e}")))?;
     let shape = file.shape().to_vec();
+    // Values come in stored order: a Fortran-ordered array would be read
+    // as scrambled rows.
+    if shape.len() > 1 && file.order() == npyz::Order::Fortran {
+        return Err(bad("saved in Fortran order: save np.ascontiguousarray(x) instead".into()));
+    }
     let npyz::DType::Plain(t) = file.dtype() else {
         return Err(bad("a structured array: save plain numbers".into()));
     };
@@ -248,6 +253,20 @@ mod tests {
         assert!(matches!(Rows::parse_csv("# only\n", "d.csv"), Err(DataError::Empty { .. })));
     }
 
+    trait Fortran {
+        fn replace_fortran(self) -> Vec<u8>;
+    }
+
+    impl Fortran for Vec<u8> {
+        /// The same header saying Fortran order (the same length).
+        fn replace_fortran(self) -> Vec<u8> {
+            let at = self.windows(5).position(|w| w == b"False").unwrap();
+            let mut out = self;
+            out.splice(at..at + 5, b"True ".iter().copied());
+            out
+        }
+    }
+
     /// A version 1.0 `.npy` file as NumPy writes it.
     fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
         let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
@@ -277,6 +296,9 @@ mod tests {
         std::fs::write(&y, npy("<i8", "(3,)", &[0u8; 24])).unwrap();
         let e = Rows::read(&x, Some(&y)).unwrap_err().to_string();
         assert!(e.contains("shape [3]: use one label per row of the data, shape (2,)"), "{e}");
+        std::fs::write(&x, npy("<f4", "(2, 3)", &features).replace_fortran()).unwrap();
+        let e = Rows::read(&x, None).unwrap_err().to_string();
+        assert!(e.contains("Fortran order"), "{e}");
         std::fs::write(&x, npy("<f4", "(6,)", &features)).unwrap();
         let e = Rows::read(&x, None).unwrap_err().to_string();
         assert!(e.contains("use rows of features"), "{e}");

@@ -736,17 +736,27 @@ fn a_node_captures_what_it_answers_and_models_compare_judges_on_the_clouds_label
     let split = heldout();
     let two = crate::digits_request("two", &[split[0].1.clone(), split[1].1.clone()]);
     infer_digits(port, &two);
+    // A one-row request after it: once its record is there, the two-row
+    // request's would have been written before it.
+    let marker = infer_digits(port, &request("marker", 7, json!({"cache": false})));
     let file = state.path().join("capture.jsonl");
     let start = Instant::now();
-    let records: Vec<Value> = loop {
+    let mut records: Vec<Value> = loop {
         let text = std::fs::read_to_string(&file).unwrap_or_default();
         let records: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        if records.len() >= n || start.elapsed() > Duration::from_secs(10) {
+        if records.len() > n || start.elapsed() > Duration::from_secs(10) {
             break records;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert_eq!(records.len(), n, "one record per one-row request answered");
+    assert_eq!(records.len(), n + 1, "one record per one-row request answered");
+    let last = records.pop().unwrap();
+    assert_eq!(last["answer"], marker["parameters"]["label"]);
+    let row: Vec<f64> = last["input"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(row, split[7].1, "the marker, right after the 40: the two-row request was not captured");
+    let lines: Vec<String> =
+        std::fs::read_to_string(&file).unwrap().lines().take(n).map(str::to_string).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
     let mut escalated = 0;
     for (i, (record, reply)) in records.iter().zip(&replies).enumerate() {
         let row: Vec<f64> = record["input"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();

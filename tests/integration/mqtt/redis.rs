@@ -94,7 +94,13 @@ fn cache_of(reply: &Value) -> &str {
 }
 
 fn node(id: &str, url: &str, extra: &[(&str, &str)]) -> (Node, u16) {
-    let mut env = vec![("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", url)];
+    // A generous timeout: on a busy 2-core CI machine a lookup can take
+    // more than the 5 ms default, and these tests count hits.
+    let mut env = vec![
+        ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+        ("EDGEINFER_CACHE__REDIS__URL", url),
+        ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "1000"),
+    ];
     env.extend_from_slice(extra);
     let (node, _, port) = embedded_node_with_http(id, &env);
     (node, port)
@@ -287,7 +293,11 @@ async fn three_nodes_in_one_share_group_share_answers_and_a_new_node_hits_from_i
     let Some(broker) = Mosquitto::start() else { return };
     let Some(redis) = RedisServer::start(None, None) else { return };
     let url = redis.url();
-    let env = [("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", url.as_str())];
+    let env = [
+        ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+        ("EDGEINFER_CACHE__REDIS__URL", url.as_str()),
+        ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "1000"),
+    ];
     let _site: Vec<Node> =
         ["gw-s1", "gw-s2", "gw-s3"].iter().map(|id| Node::start(&broker.url(), id, &env)).collect();
     let mut device = Client::connect(broker.port, "dev-site", &["devices/site/replies"]).await;
