@@ -149,7 +149,6 @@ const HEIGHT: u32 = 420;
 fn pareto_svg(c: &Comparison) -> String {
     let points: Vec<(f64, f64, String)> =
         c.candidates.iter().filter_map(|m| quality(c, m).map(|q| (m.latency.p99_us, q, m.id()))).collect();
-    let mut svg = String::new();
     if points.is_empty() {
         return "<p>No candidate has a quality figure to chart.</p>".into();
     }
@@ -174,15 +173,8 @@ fn pareto_svg(c: &Comparison) -> String {
     let y_lo = xy.iter().map(|p| p.1).chain(min_quality).fold(1.0, f64::min) - 0.02;
     let y_hi = (xy.iter().map(|p| p.1).fold(0.0, f64::max) + 0.01).min(1.0).max(y_lo + 0.03);
     let chosen = c.recommendation.chosen.as_deref();
-    let drawn = (|| -> Result<(), Box<dyn std::error::Error + '_>> {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(format!("p99 latency against {}", quality_name(c)), ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..x_max, y_lo.max(0.0)..y_hi)?;
+    let title = format!("p99 latency against {}", quality_name(c));
+    svg_chart(&title, 0f64..x_max, y_lo.max(0.0)..y_hi, |chart| {
         chart
             .configure_mesh()
             .x_desc("p99 latency per request (µs)")
@@ -225,6 +217,51 @@ fn pareto_svg(c: &Comparison) -> String {
             )?
             .label("recommended")
             .legend(|(x, y)| Circle::new((x + 10, y), 6, GREEN.stroke_width(3)));
+        Ok(())
+    })
+}
+
+fn distribution_svg(c: &Comparison) -> String {
+    // The 99th percentile bounds the axis: one slow outlier would squash the rest.
+    let x_max =
+        c.candidates.iter().filter_map(|m| m.latency.percentiles_us.get(98).copied()).fold(0.0, f64::max)
+            * 1.1
+            + 1.0;
+    svg_chart("Latency distribution per request", 0f64..x_max, 0f64..100f64, |chart| {
+        chart.configure_mesh().x_desc("latency per request (µs)").y_desc("percentile").draw()?;
+        for (i, m) in c.candidates.iter().enumerate() {
+            let colour = Palette99::pick(i).to_rgba();
+            let line =
+                m.latency.percentiles_us.iter().take(99).enumerate().map(|(p, &us)| (us, p as f64 + 1.0));
+            chart
+                .draw_series(LineSeries::new(line, colour.stroke_width(2)))?
+                .label(m.id())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
+        }
+        Ok(())
+    })
+}
+
+/// One chart as SVG: the frame with `title` over the ranges `x` and `y`,
+/// what `draw` puts in it, then the legend of its labelled series. A chart
+/// that cannot be drawn is a sentence saying why.
+fn svg_chart(
+    title: &str,
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+    draw: impl FnOnce(&mut Chart<'_, '_>) -> Result<(), Box<dyn std::error::Error>>,
+) -> String {
+    let mut svg = String::new();
+    let drawn = (|| -> Result<(), Box<dyn std::error::Error>> {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x, y)?;
+        draw(&mut chart)?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::LowerRight)
@@ -239,45 +276,11 @@ fn pareto_svg(c: &Comparison) -> String {
         .unwrap_or_else(|e| format!("<p>The chart could not be drawn: {}</p>", escape(&e.to_string())))
 }
 
-fn distribution_svg(c: &Comparison) -> String {
-    // The 99th percentile bounds the axis: one slow outlier would squash the rest.
-    let x_max =
-        c.candidates.iter().filter_map(|m| m.latency.percentiles_us.get(98).copied()).fold(0.0, f64::max)
-            * 1.1
-            + 1.0;
-    let mut svg = String::new();
-    let drawn = (|| -> Result<(), Box<dyn std::error::Error + '_>> {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption("Latency distribution per request", ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(0f64..x_max, 0f64..100f64)?;
-        chart.configure_mesh().x_desc("latency per request (µs)").y_desc("percentile").draw()?;
-        for (i, m) in c.candidates.iter().enumerate() {
-            let colour = Palette99::pick(i).to_rgba();
-            let line =
-                m.latency.percentiles_us.iter().take(99).enumerate().map(|(p, &us)| (us, p as f64 + 1.0));
-            chart
-                .draw_series(LineSeries::new(line, colour.stroke_width(2)))?
-                .label(m.id())
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    })();
-    drawn
-        .map(|()| svg)
-        .unwrap_or_else(|e| format!("<p>The chart could not be drawn: {}</p>", escape(&e.to_string())))
-}
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
 
 /// Text as HTML, so a model or file name cannot break the page.
 fn escape(text: &str) -> String {
