@@ -84,6 +84,16 @@ class Calibration(CalibrationDataReader):
         return next(self.rows, None)
 
 
+def quantize(f32_path, int8_path, calibration_x):
+    """QOperator with MatMul only: QLinearMatMul runs on tract's integer kernels and
+    the final Softmax stays in f32 (no DequantizeLinear->Softmax->QuantizeLinear
+    chain, which tract 0.23 folds wrongly into a lookup table)."""
+    quantize_static(str(f32_path), str(int8_path), Calibration(calibration_x),
+                    quant_format=QuantFormat.QOperator, op_types_to_quantize=["MatMul"],
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    per_channel=False, reduce_range=False)
+
+
 def accuracy(path, x, y):
     probs = session(path).run(None, {"input": x})[0]
     return float((probs.argmax(axis=1) == y).mean())
@@ -185,13 +195,7 @@ def main():
     acc_f32 = accuracy(f32_path, xs_te, y_te)
 
     int8_path = tmp / "digits_int8.onnx"
-    # QOperator with MatMul only: QLinearMatMul runs on tract's integer kernels and
-    # the final Softmax stays in f32 (no DequantizeLinear->Softmax->QuantizeLinear
-    # chain, which tract 0.23 folds wrongly into a lookup table).
-    quantize_static(str(f32_path), str(int8_path), Calibration(xs_tr),
-                    quant_format=QuantFormat.QOperator, op_types_to_quantize=["MatMul"],
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                    per_channel=False, reduce_range=False)
+    quantize(f32_path, int8_path, xs_tr)
     acc_int8 = accuracy(int8_path, xs_te, y_te)
 
     narrow = MLPClassifier(hidden_layer_sizes=(8,), max_iter=400, random_state=SEED, alpha=1e-3)
@@ -199,10 +203,7 @@ def main():
     narrow_f32_path = tmp / "digits_small_f32.onnx"
     onnx.save(mlp_to_onnx(narrow, "digits_small"), narrow_f32_path)
     narrow_path = tmp / "digits_small.onnx"
-    quantize_static(str(narrow_f32_path), str(narrow_path), Calibration(xs_tr),
-                    quant_format=QuantFormat.QOperator, op_types_to_quantize=["MatMul"],
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                    per_channel=False, reduce_range=False)
+    quantize(narrow_f32_path, narrow_path, xs_tr)
     acc_narrow = accuracy(narrow_path, xs_te, y_te)
 
     xa, ya = shifted_copies(x_tr, y_tr)
