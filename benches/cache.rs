@@ -180,6 +180,7 @@ fn redis_hits(c: &mut Criterion, rt: &tokio::runtime::Runtime, n: u64) {
         redis: Some(RedisOptions {
             url: format!("redis://127.0.0.1:{port}"),
             password_file: None,
+            ca_file: None,
             key_prefix: "bench".into(),
             ttl: None,
             timeout: Duration::from_millis(100),

@@ -245,8 +245,12 @@ pub struct CacheConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
     pub enabled: bool,
-    /// `redis://HOST:PORT[/DB]`, or `rediss://` for TLS (system roots).
+    /// `redis://[USER@]HOST:PORT[/DB]`, or `rediss://` for TLS (the
+    /// system's roots, or `ca_file`'s).
     pub url: String,
+    /// PEM CA certificate(s) a `rediss://` server's certificate must chain
+    /// to, for a site CA; default: the system's roots.
+    pub ca_file: Option<PathBuf>,
     /// A file holding the password (AUTH); a user name goes in the URL.
     pub password_file: Option<PathBuf>,
     /// Every key starts with this, so nodes of one site share answers and
@@ -263,6 +267,7 @@ impl Default for RedisConfig {
         RedisConfig {
             enabled: false,
             url: "redis://127.0.0.1:6379".into(),
+            ca_file: None,
             password_file: None,
             key_prefix: "edgeinfer".into(),
             ttl_s: None,
@@ -760,6 +765,12 @@ impl Config {
                     .into(),
             );
         }
+        if redis.enabled && redis.ca_file.is_some() && !redis.url.starts_with("rediss://") {
+            return bad(
+                "cache.redis.ca_file",
+                format!("is set but cache.redis.url {:?} is not TLS: use rediss://HOST:PORT", redis.url),
+            );
+        }
         if redis.key_prefix.is_empty() || redis.key_prefix.contains(['*', '?', '[', ']', ' ']) {
             return bad(
                 "cache.redis.key_prefix",
@@ -979,6 +990,16 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("password_file") && !err.contains("hunter2"), "{err}");
+        let err = Config::load_with_env(
+            None,
+            env(&[
+                ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+                ("EDGEINFER_CACHE__REDIS__CA_FILE", "/etc/edgeinfer/site-ca.pem"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cache.redis.ca_file") && err.contains("rediss://"), "{err}");
     }
 
     #[test]

@@ -60,6 +60,7 @@ impl CacheOptions {
             disk_page_cache_bytes: c.disk_page_cache_bytes,
             redis: c.redis.enabled.then(|| RedisOptions {
                 url: c.redis.url.clone(),
+                ca_file: c.redis.ca_file.clone(),
                 password_file: c.redis.password_file.clone(),
                 key_prefix: c.redis.key_prefix.clone(),
                 ttl: c.redis.ttl_s.map(Duration::from_secs),

@@ -4,20 +4,24 @@
 //! A lookup waits at most `cache.redis.timeout_ms`, then counts a miss and
 //! the model runs: a slow or dead Redis costs misses, never a stall. After
 //! `TRIPS` failed lookups in a row the layer stands aside for `REST`
-//! (lookups are misses at once), then tries again; the connection manager
-//! reconnects on its own. Stores go to a writer task over a bounded
-//! channel, off the request path; every key gets an expiry. Values are the
-//! disk layer's checksummed records under a key that carries a format
-//! version, so a torn or foreign value is a miss, counted, never served.
+//! (lookups are misses at once), then one lookup tries again and one more
+//! failure rests it again; the connection manager reconnects on its own,
+//! with backoff. Only lookups decide whether the layer is up: a Redis that
+//! refuses writes (full, under `noeviction`) still serves what it holds.
+//! Stores go to a writer task over a bounded channel, off the request path;
+//! every key gets an expiry. Values are the disk layer's checksummed
+//! records under a key that carries a format version, so a torn or foreign
+//! value is a miss, counted, never served.
 
 use super::key::Key;
 use super::record::Record;
 use crate::telemetry::{self, RedisState};
 use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::io::tcp::{TcpSettings, socket2};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// The key format: bump it when `Key` or `Record` change meaning.
@@ -32,6 +36,8 @@ const QUEUE: usize = 1024;
 pub struct RedisOptions {
     pub url: String,
     pub password_file: Option<std::path::PathBuf>,
+    /// PEM roots for `rediss://`; `None`: the system's.
+    pub ca_file: Option<std::path::PathBuf>,
     pub key_prefix: String,
     /// Expiry of every key; `None`: the answer's own TTL.
     pub ttl: Option<Duration>,
@@ -42,45 +48,97 @@ pub struct RedisOptions {
 pub enum RedisError {
     #[error("cache.redis.url {url:?}: {reason}")]
     Url { url: String, reason: String },
+    #[error("cache.redis.ca_file {path}: {reason}")]
+    Ca { path: String, reason: String },
     #[error("cache.redis.password_file {path}: {reason}")]
     Password { path: String, reason: String },
 }
 
+/// Whether the layer answers lookups, shared by the lookups (which
+/// decide it), the writer and the status.
 struct Health {
     up: AtomicBool,
+    /// Failed lookups since the last answer; at `TRIPS` and beyond each
+    /// failure rests the layer.
     failures: AtomicU32,
-    /// Lookups are misses at once until then.
+    /// Lookups are misses at once until then: milliseconds since `born`
+    /// (monotonic, so a clock step cannot stretch or skip a rest).
     resting_until_ms: AtomicU64,
-    error: Mutex<Option<String>>,
+    born: Instant,
+    /// Why lookups fail, while they do.
+    lookup_error: Mutex<Option<String>>,
+    /// Why Redis refuses writes while it answers lookups (a full Redis).
+    write_error: Mutex<Option<String>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Health {
-    fn ok(&self) {
+    fn new() -> Health {
+        Health {
+            up: AtomicBool::new(false),
+            failures: AtomicU32::new(0),
+            resting_until_ms: AtomicU64::new(0),
+            born: Instant::now(),
+            lookup_error: Mutex::new(Some("not connected yet".into())),
+            write_error: Mutex::new(None),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    fn answered(&self) {
         self.failures.store(0, Ordering::Relaxed);
         if !self.up.swap(true, Ordering::Relaxed) {
             tracing::info!("cache: Redis layer up");
-            *self.error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *locked(&self.lookup_error) = None;
         }
         // Set every time: a failure racing this one cannot leave it at 0.
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(1.0);
     }
 
-    fn failed(&self, reason: &'static str, error: String) {
+    fn lookup_failed(&self, reason: &'static str, error: String) {
         metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => reason).increment(1);
         if self.failures.fetch_add(1, Ordering::Relaxed) + 1 >= TRIPS {
-            self.failures.store(0, Ordering::Relaxed);
-            self.resting_until_ms
-                .store(telemetry::unix_now_ms() + REST.as_millis() as u64, Ordering::Relaxed);
+            self.resting_until_ms.store(self.now_ms() + REST.as_millis() as u64, Ordering::Relaxed);
         }
         if self.up.swap(false, Ordering::Relaxed) {
             tracing::warn!("cache: Redis layer down ({error}); lookups are misses until it answers");
         }
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(0.0);
-        *self.error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+        *locked(&self.lookup_error) = Some(error);
+    }
+
+    fn wrote(&self) {
+        if locked(&self.write_error).take().is_some() {
+            tracing::info!("cache: Redis takes answers again");
+        }
+    }
+
+    /// A refused or failed write: counted, and logged when it starts; the
+    /// lookups alone say whether the layer is up.
+    fn write_failed(&self, error: redis::RedisError) {
+        let reason = if error.code() == Some("OOM") { "full" } else { "error" };
+        metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => reason).increment(1);
+        let mut last = locked(&self.write_error);
+        if last.is_none() {
+            tracing::warn!("cache: Redis refuses answers ({error}); they stay on this node");
+        }
+        *last = Some(format!("writes refused: {error}"));
     }
 
     fn resting(&self) -> bool {
-        telemetry::unix_now_ms() < self.resting_until_ms.load(Ordering::Relaxed)
+        self.now_ms() < self.resting_until_ms.load(Ordering::Relaxed)
+    }
+
+    fn state(&self) -> RedisState {
+        let up = self.up.load(Ordering::Relaxed);
+        let error = if up { locked(&self.write_error).clone() } else { locked(&self.lookup_error).clone() };
+        RedisState { up, error }
     }
 }
 
@@ -118,7 +176,24 @@ impl Redis {
             }
             None => info,
         };
-        let client = redis::Client::open(info).map_err(url_error)?;
+        // No Nagle: a lookup is one small write that waits for its answer.
+        // Keepalive: a Redis host that vanishes is noticed by the writer too.
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(30))
+            .with_interval(Duration::from_secs(10));
+        let info = info.set_tcp_settings(TcpSettings::default().set_nodelay(true).set_keepalive(keepalive));
+        let client = match &options.ca_file {
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| RedisError::Ca {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                let certificates = redis::TlsCertificates { client_tls: None, root_cert: Some(pem) };
+                redis::Client::build_with_tls(info, certificates)
+                    .map_err(|e| RedisError::Ca { path: path.display().to_string(), reason: e.to_string() })?
+            }
+            None => redis::Client::open(info).map_err(url_error)?,
+        };
         // One try per command: a lookup has milliseconds, and the manager
         // reconnects in the background after a failure anyway.
         let config = ConnectionManagerConfig::new()
@@ -128,12 +203,7 @@ impl Redis {
             .set_min_delay(Duration::from_millis(100))
             .set_max_delay(Duration::from_secs(5));
         let connection = ConnectionManager::new_lazy_with_config(client, config).map_err(url_error)?;
-        let health = Arc::new(Health {
-            up: AtomicBool::new(false),
-            failures: AtomicU32::new(0),
-            resting_until_ms: AtomicU64::new(0),
-            error: Mutex::new(Some("not connected yet".into())),
-        });
+        let health = Arc::new(Health::new());
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(0.0);
         let (stores, queued) = mpsc::channel(QUEUE);
         tokio::spawn(write(connection.clone(), health.clone(), queued));
@@ -150,8 +220,8 @@ impl Redis {
         let health = redis.health.clone();
         tokio::spawn(async move {
             match redis::cmd("PING").query_async::<String>(&mut probe).await {
-                Ok(_) => health.ok(),
-                Err(e) => health.failed("error", e.to_string()),
+                Ok(_) => health.answered(),
+                Err(e) => health.lookup_failed("error", e.to_string()),
             }
         });
         Ok(redis)
@@ -172,7 +242,7 @@ impl Redis {
         let got = tokio::time::timeout(self.timeout, connection.get::<_, Option<Vec<u8>>>(&name)).await;
         match got {
             Ok(Ok(value)) => {
-                self.health.ok();
+                self.health.answered();
                 let bytes = value?;
                 let record = Record::decode(key, &bytes);
                 if record.is_none() {
@@ -181,11 +251,12 @@ impl Redis {
                 record
             }
             Ok(Err(e)) => {
-                self.health.failed("error", e.to_string());
+                self.health.lookup_failed("error", e.to_string());
                 None
             }
             Err(_) => {
-                self.health.failed("timeout", format!("no answer within {} ms", self.timeout.as_millis()));
+                self.health
+                    .lookup_failed("timeout", format!("no answer within {} ms", self.timeout.as_millis()));
                 None
             }
         }
@@ -235,10 +306,7 @@ impl Redis {
     }
 
     pub fn health(&self) -> RedisState {
-        RedisState {
-            up: self.health.up.load(Ordering::Relaxed),
-            error: self.health.error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-        }
+        self.health.state()
     }
 }
 
@@ -251,8 +319,8 @@ async fn write(mut connection: ConnectionManager, health: Arc<Health>, mut queue
             continue;
         }
         match connection.set_ex::<_, _, ()>(&key, value, ttl_s).await {
-            Ok(()) => health.ok(),
-            Err(e) => health.failed("error", e.to_string()),
+            Ok(()) => health.wrote(),
+            Err(e) => health.write_failed(e),
         }
     }
 }

@@ -2,12 +2,13 @@
 //! `redis-server` each test starts on a free port.
 
 use super::support::{
-    Client, Mosquitto, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape,
+    self, Client, Mosquitto, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape,
 };
 use crate::{digits_request, heldout};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -15,12 +16,20 @@ struct RedisServer {
     child: Child,
     port: u16,
     password: Option<String>,
+    /// The CA file, when the server speaks only TLS.
+    tls_ca: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
 impl RedisServer {
     /// `None` (SKIPPED, or a failure under CI=true) without redis-server.
     fn start(port: Option<u16>, password: Option<&str>) -> Option<RedisServer> {
+        Self::start_with(port, password, false)
+    }
+
+    /// With `tls`, the server listens for TLS only, with a certificate for
+    /// 127.0.0.1 from a CA of its own (`tls_ca`).
+    fn start_with(port: Option<u16>, password: Option<&str>, tls: bool) -> Option<RedisServer> {
         if Command::new("redis-server").arg("--version").output().is_err() {
             crate::skipped("redis-server is not installed (apt-get install redis-server)");
             return None;
@@ -28,11 +37,30 @@ impl RedisServer {
         let port = port.unwrap_or_else(free_port);
         let dir = tempfile::tempdir().unwrap();
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        let mut tls_ca = None;
+        if tls {
+            let ca = support::test_ca("edgeinfer test site CA");
+            let (cert, key) = support::loopback_cert(&ca, "redis");
+            let path = |name: &str| dir.path().join(name);
+            std::fs::write(path("ca.pem"), ca.pem()).unwrap();
+            std::fs::write(path("redis.pem"), cert.pem()).unwrap();
+            std::fs::write(path("redis.key"), key.serialize_pem()).unwrap();
+            cmd.args(["--port", "0", "--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+                .arg("--tls-cert-file")
+                .arg(path("redis.pem"))
+                .arg("--tls-key-file")
+                .arg(path("redis.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(path("ca.pem"));
+            tls_ca = Some(path("ca.pem"));
+        } else {
+            cmd.args(["--port", &port.to_string()]);
+        }
         if let Some(p) = password {
             cmd.args(["--requirepass", p]);
         }
@@ -42,16 +70,20 @@ impl RedisServer {
             assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not listen on {port}");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Some(RedisServer { child, port, password: password.map(str::to_string), _dir: dir })
+        Some(RedisServer { child, port, password: password.map(str::to_string), tls_ca, _dir: dir })
     }
 
     fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     fn cli(&self, args: &[&str]) -> String {
         let mut cmd = Command::new("redis-cli");
         cmd.args(["-p", &self.port.to_string()]);
+        if let Some(ca) = &self.tls_ca {
+            cmd.arg("--tls").arg("--cacert").arg(ca);
+        }
         if let Some(p) = &self.password {
             cmd.args(["-a", p, "--no-auth-warning"]);
         }
@@ -216,6 +248,15 @@ fn auth_with_a_password_file_works_and_the_password_is_shown_nowhere() {
     assert_eq!(cache_of(&infer_digits(a, &request("p1", 2))), "miss");
     redis.keys("edgeinfer:v1:digits:*", 1);
     assert_eq!(cache_of(&infer_digits(b, &request("p2", 2))), "redis");
+    // An ACL user of its own, limited to the site's prefix: the user in the
+    // URL, its password in the file.
+    redis.cli(&["ACL", "SETUSER", "gateway", "on", ">gateway-Pa55", "~edgeinfer:*", "+@all"]);
+    let user_file = dir.path().join("gateway-password");
+    std::fs::write(&user_file, "gateway-Pa55\n").unwrap();
+    let user_url = format!("redis://gateway@127.0.0.1:{}", redis.port);
+    let user_env = [("EDGEINFER_CACHE__REDIS__PASSWORD_FILE", user_file.to_str().unwrap())];
+    let (_d_node, d) = node("gw-r6u", &user_url, &user_env);
+    assert_eq!(cache_of(&infer_digits(d, &request("p2u", 2))), "redis", "as the ACL user");
     // Without the password the layer is down, says so, and serving goes on.
     let (c_node, c) = node("gw-r6", &redis.url(), &[("EDGEINFER_LOG", "debug,rumqttd=warn")]);
     assert_eq!(cache_of(&infer_digits(c, &request("p3", 2))), "miss");
@@ -338,4 +379,109 @@ async fn three_nodes_in_one_share_group_share_answers_and_a_new_node_hits_from_i
     let _fresh = Node::start(&broker.url(), "gw-s4", &env);
     let fresh = round("three", "edgeinfer/gw-s4/infer/digits", vec![0]).await;
     assert_eq!(fresh[&0], ("gw-s4".to_string(), "redis".to_string()));
+}
+
+#[test]
+fn rediss_with_a_site_ca_shares_answers_and_without_the_ca_the_layer_says_why() {
+    let Some(redis) = RedisServer::start_with(None, None, true) else { return };
+    let ca = redis.tls_ca.clone().unwrap();
+    let ca_env = [("EDGEINFER_CACHE__REDIS__CA_FILE", ca.to_str().unwrap())];
+    let (_a, a) = node("gw-t1", &redis.url(), &ca_env);
+    let (_b, b) = node("gw-t2", &redis.url(), &ca_env);
+    assert_eq!(cache_of(&infer_digits(a, &request("t1", 4))), "miss");
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 1).len(), 1, "stored over TLS");
+    assert_eq!(cache_of(&infer_digits(b, &request("t2", 4))), "redis");
+    assert_eq!(get_json(b, "/cache/stats").1["redis"], json!({"up": true}));
+    // The system roots do not know the site CA: no TLS, and it says so.
+    let (_c, c) = node("gw-t3", &redis.url(), &[]);
+    assert_eq!(cache_of(&infer_digits(c, &request("t3", 4))), "miss");
+    let (_, stats) = get_json(c, "/cache/stats");
+    assert_eq!(stats["redis"]["up"], false, "{stats}");
+    let why = stats["redis"]["error"].as_str().unwrap_or_else(|| panic!("{stats}"));
+    assert!(why.contains("certificate") || why.contains("UnknownIssuer"), "{why}");
+}
+
+/// The node's count of Redis errors for `reason`, waiting up to 5 s for at
+/// least one.
+fn redis_errors(http: u16, reason: &str) -> f64 {
+    let label = format!("reason=\"{reason}\"");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let metrics = scrape(http);
+        let n = if metrics.contains(&label) {
+            sample(&metrics, &["edgeinfer_cache_redis_errors_total{", &label])
+        } else {
+            0.0
+        };
+        if n >= 1.0 || Instant::now() > deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let (_a, a) = node("gw-f1", &redis.url(), &[]);
+    let (_b, b) = node("gw-f2", &redis.url(), &[]);
+    for i in 0..10 {
+        assert_eq!(cache_of(&infer_digits(b, &request(&format!("f{i}"), i))), "miss");
+    }
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 10).len(), 10);
+    // Full, and told not to evict: every write is refused with OOM.
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
+    for i in 10..40 {
+        let reply = infer_digits(a, &request(&format!("f{i}"), i));
+        assert_eq!(cache_of(&reply), "miss", "computed and answered: {reply}");
+    }
+    assert!(redis_errors(a, "full") >= 1.0, "{}", scrape(a));
+    assert_eq!(redis.cli(&["DBSIZE"]), "10", "nothing new stored");
+    // Refused writes do not take the layer down: what it holds is served.
+    for i in 0..10 {
+        assert_eq!(cache_of(&infer_digits(a, &request(&format!("g{i}"), i))), "redis", "row {i}");
+    }
+    let (_, stats) = get_json(a, "/cache/stats");
+    assert_eq!(stats["redis"]["up"], true, "{stats}");
+    let why = stats["redis"]["error"].as_str().unwrap_or_else(|| panic!("{stats}"));
+    assert!(why.contains("writes refused") && why.contains("OOM"), "{why}");
+    assert_eq!(sample(&scrape(a), &["edgeinfer_cache_redis_up"]), 1.0);
+    // Room again: answers are stored, and the status clears.
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
+    infer_digits(a, &request("f40", 40));
+    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 11).len(), 11);
+    assert_eq!(get_json(a, "/cache/stats").1["redis"], json!({"up": true}));
+}
+
+#[test]
+fn a_redis_that_stops_answering_costs_misses_not_time() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let (_n, http) = node("gw-p1", &redis.url(), &[("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "20")]);
+    assert_eq!(cache_of(&infer_digits(http, &request("p0", 0))), "miss");
+    redis.keys("edgeinfer:v1:digits:*", 1);
+    // Redis holds every command for 5 s: each lookup gives up after 20 ms,
+    // and after three the layer stands aside.
+    let paused = Instant::now();
+    redis.cli(&["CLIENT", "PAUSE", "5000", "ALL"]);
+    for i in 1..41 {
+        let reply = infer_digits(http, &request(&format!("p{i}"), i));
+        assert_eq!(cache_of(&reply), "miss", "{reply}");
+    }
+    let took = paused.elapsed();
+    assert!(took < Duration::from_secs(4), "40 requests waited on a paused Redis: {took:?}");
+    assert!(redis_errors(http, "timeout") >= 1.0);
+    let (_, stats) = get_json(http, "/cache/stats");
+    assert_eq!(stats["redis"]["up"], false, "{stats}");
+    assert!(stats["redis"]["error"].as_str().is_some_and(|e| e.contains("20 ms")), "{stats}");
+    // Once it answers again, so does the layer.
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(paused.elapsed()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut i = 41;
+    while sample(&scrape(http), &["edgeinfer_cache_redis_up"]) != 1.0 {
+        assert!(Instant::now() < deadline, "the layer stayed down after the pause");
+        infer_digits(http, &request(&format!("p{i}"), i));
+        i += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

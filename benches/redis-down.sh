@@ -1,0 +1,52 @@
+#!/bin/bash
+# What a dead Redis costs a node: open-loop latency of one node (mosquitto,
+# the shared Redis layer on, timeout_ms at its default) in three runs, side
+# by side: the cache off (`parameters.cache = false`), Redis up, and Redis
+# killed 3 s into the run. Every request is distinct, so each one misses and
+# (with the cache on) looks Redis up.
+# Usage: benches/redis-down.sh BIN [RATE] [SECONDS], e.g.
+#   benches/redis-down.sh target/release/edgeinfer 1000 10
+BIN=$1; RATE=${2:-1000}; SECS=${3:-10}
+MODELS="$(dirname "$0")/../models"
+D=$(mktemp -d)
+MP=$((23000 + RANDOM % 1000)); RP=$((MP + 1000))
+cat > $D/m.conf <<C
+listener $MP 127.0.0.1
+allow_anonymous true
+set_tcp_nodelay true
+max_queued_messages 100000
+C
+mosquitto -c $D/m.conf > $D/mosq.log 2>&1 & MOSQ=$!
+redis-server --port $RP --bind 127.0.0.1 --save "" --appendonly no --dir $D > $D/redis.log 2>&1 & RED=$!
+sleep 0.5
+EDGEINFER_NODE__ID=gw-1 EDGEINFER_NODE__STATE_DIR=$D/s EDGEINFER_MQTT__URL=mqtt://127.0.0.1:$MP \
+EDGEINFER_HTTP__LISTEN=127.0.0.1:$((MP + 2000)) EDGEINFER_CACHE__REDIS__ENABLED=true \
+EDGEINFER_CACHE__REDIS__URL=redis://127.0.0.1:$RP \
+  $BIN --models-dir "$MODELS" serve > $D/node.log 2>&1 & NODE=$!
+sleep 2
+run() { # NAME FROM [bench args...]
+  local name=$1 from=$2; shift 2
+  EDGEINFER_MQTT__URL=mqtt://127.0.0.1:$MP $BIN --models-dir "$MODELS" bench --node gw-1 --rate $RATE \
+    --duration $SECS --distinct --distinct-from $from --json "$@" > $D/$name.json 2> $D/$name.err
+  python3 - "$name" "$D/$name.json" <<'P'
+import json, sys
+r = json.load(open(sys.argv[2]))
+l = r["latency_us"]
+print(f"{sys.argv[1]:<20} answered {r['requests']:>7}  errors {r['errors']:>3}  unanswered {r['unanswered']:>3}  "
+      f"p50 {l['p50'] / 1000:6.2f} ms  p99 {l['p99'] / 1000:6.2f} ms  p99.9 {l['p999'] / 1000:6.2f} ms")
+P
+}
+echo "one node, $RATE req/s open loop, ${SECS} s per run, distinct inputs"
+run cache-off 0 --no-cache
+run redis-up 10000000
+( sleep 4; kill $RED ) & KILLER=$!
+run redis-killed-at-3s 20000000
+wait $KILLER
+curl -s 127.0.0.1:$((MP + 2000))/metrics | grep -E '^edgeinfer_cache_redis_(up|errors_total)'
+python3 - $D <<'P'
+import json, sys
+p99 = {n: json.load(open(f"{sys.argv[1]}/{n}.json"))["latency_us"]["p99"] for n in ("cache-off", "redis-up", "redis-killed-at-3s")}
+print(f"p99 Redis killed / cache off: {p99['redis-killed-at-3s'] / p99['cache-off']:.2f}x; Redis up / cache off: {p99['redis-up'] / p99['cache-off']:.2f}x")
+P
+kill $NODE $MOSQ 2>/dev/null; wait 2>/dev/null
+rm -rf $D
