@@ -15,11 +15,38 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
-/// Records waiting for the writer; a burst larger than this loses samples,
-/// never requests.
+/// Records, and bytes of their inputs, waiting for the writer; a burst
+/// larger than either loses samples, never requests. The bytes bound what
+/// a model with large inputs (an image a row) can hold in the queue.
 const QUEUE: usize = 1024;
+const QUEUE_BYTES: usize = 8 << 20;
+
+/// The input bytes queued for the writer, shared by the request path
+/// (which admits) and the writer (which releases).
+#[derive(Default)]
+struct Queued(std::sync::atomic::AtomicUsize);
+
+impl Queued {
+    /// Whether `bytes` more fit under `QUEUE_BYTES`; if so they are counted.
+    fn admit(&self, bytes: usize) -> bool {
+        let before = self.0.fetch_add(bytes, Ordering::Relaxed);
+        if before + bytes > QUEUE_BYTES {
+            self.release(bytes);
+            return false;
+        }
+        true
+    }
+
+    fn release(&self, bytes: usize) {
+        self.0.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+fn input_bytes(record: &Captured) -> usize {
+    record.input.len() * std::mem::size_of::<f32>()
+}
 
 /// The file's name in `node.state_dir`.
 pub const FILE_NAME: &str = "capture.jsonl";
@@ -60,6 +87,7 @@ pub struct Capture {
     rate: f64,
     /// Set by the writer once the file reached a bound: nothing more is built.
     full: Arc<AtomicBool>,
+    queued: Arc<Queued>,
     /// The tests wait on it; a node's writer ends with the process, having
     /// flushed after every record or burst.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -82,6 +110,7 @@ impl Capture {
         let whole = complete_lines(&mut file).map_err(error)?;
         let bytes = bytes.min(whole);
         let full = Arc::new(AtomicBool::new(false));
+        let queued = Arc::new(Queued::default());
         let (tx, rx) = sync_channel(QUEUE);
         let writer = Writer {
             out: BufWriter::new(file),
@@ -89,6 +118,7 @@ impl Capture {
             bytes,
             options: options.clone(),
             full: full.clone(),
+            queued: queued.clone(),
         };
         let writer = std::thread::Builder::new()
             .name("capture".into())
@@ -99,7 +129,7 @@ impl Capture {
             options.rate,
             options.path.display()
         );
-        Ok(Capture { records: tx, rate: options.rate, full, writer })
+        Ok(Capture { records: tx, rate: options.rate, full, queued, writer })
     }
 
     /// Keeps this request (a sampled share of them) with its answer. Only
@@ -122,7 +152,13 @@ impl Capture {
             cloud_label: if cloud { response.parameters.label.clone() } else { None },
             input: input.data.to_f64().into_iter().map(|v| v as f32).collect(),
         };
-        if let Err(TrySendError::Full(_)) = self.records.try_send(record) {
+        let bytes = input_bytes(&record);
+        if !self.queued.admit(bytes) {
+            metrics::counter!(telemetry::CAPTURE_DROPPED, "reason" => "busy").increment(1);
+            return;
+        }
+        if self.records.try_send(record).is_err() {
+            self.queued.release(bytes);
             metrics::counter!(telemetry::CAPTURE_DROPPED, "reason" => "busy").increment(1);
         }
     }
@@ -155,6 +191,7 @@ struct Writer {
     bytes: u64,
     options: CaptureOptions,
     full: Arc<AtomicBool>,
+    queued: Arc<Queued>,
 }
 
 impl Writer {
@@ -173,6 +210,7 @@ impl Writer {
     }
 
     fn write(&mut self, record: Captured) {
+        self.queued.release(input_bytes(&record));
         if self.full.load(Ordering::Relaxed) {
             return;
         }
@@ -213,6 +251,18 @@ fn path_text(path: &Path) -> String {
 mod tests {
     use super::*;
     use crate::model::compare::Rows;
+
+    #[test]
+    fn the_queue_admits_inputs_up_to_its_byte_bound_and_frees_what_the_writer_took() {
+        let queued = Queued::default();
+        let image = 96 * 96 * 3 * 4;
+        let fit = QUEUE_BYTES / image;
+        assert!((0..fit).all(|_| queued.admit(image)));
+        assert!(!queued.admit(image), "one image more than the bound");
+        assert_eq!(queued.0.load(Ordering::Relaxed), fit * image, "a refused one is not counted");
+        queued.release(image);
+        assert!(queued.admit(image));
+    }
 
     fn options(dir: &Path, max_records: u64, max_bytes: u64) -> CaptureOptions {
         CaptureOptions { path: dir.join(FILE_NAME), rate: 1.0, max_records, max_bytes }
