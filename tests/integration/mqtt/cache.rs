@@ -2,9 +2,10 @@
 //! byte bounds, crashes, a damaged store and single flight.
 
 use super::support::{
-    Client, Node, embedded_node_with_http, free_port_pair, get_json, infer_digits, sample, scrape,
+    Client, Node, copy_digits_version, embedded_node_with_http, free_port_pair, get_json, infer_digits,
+    sample, scrape,
 };
-use crate::{digits_request, heldout, models_dir};
+use crate::{digits_request, heldout};
 use serde_json::{Value, json};
 use std::path::Path;
 use std::time::Duration;
@@ -96,26 +97,11 @@ fn entries_expire_after_their_ttl_and_a_zero_ttl_model_is_never_cached() {
     );
 }
 
-fn copy_version(to: &Path, version: &str) {
-    let from = models_dir().join("digits/1");
-    let dir = to.join("digits").join(version);
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in ["model.onnx", "golden.json"] {
-        std::fs::copy(from.join(f), dir.join(f)).unwrap();
-    }
-    let manifest = std::fs::read_to_string(from.join("model.toml")).unwrap();
-    std::fs::write(
-        dir.join("model.toml"),
-        manifest.replace("version = \"1\"", &format!("version = \"{version}\"")),
-    )
-    .unwrap();
-}
-
 #[test]
 fn a_new_model_version_never_serves_the_old_answer() {
     let state = tempfile::tempdir().unwrap();
     let models = tempfile::tempdir().unwrap();
-    copy_version(models.path(), "1");
+    copy_digits_version(models.path(), "1", false);
     let env = [state_env(state.path()), ("EDGEINFER_NODE__MODELS_DIR", models.path().display().to_string())];
     let req = request("v", 7, 0, json!({}));
     let (mut node_v1, _, port) = start("gw-c4", &env);
@@ -124,7 +110,7 @@ fn a_new_model_version_never_serves_the_old_answer() {
     assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
     assert!(node_v1.terminate().success());
 
-    copy_version(models.path(), "2");
+    copy_digits_version(models.path(), "2", false);
     let (_node_v2, _, port) = start("gw-c4", &env);
     let v2 = infer_digits(port, &req);
     assert_eq!((v2["model_version"].as_str(), cache_of(&v2)), (Some("2"), "miss"), "{v2}");

@@ -1,7 +1,9 @@
 //! Living under systemd: sd_notify messages, draining on SIGTERM, reloading
 //! on SIGHUP, on the real binary.
 
-use super::support::{Client, Mosquitto, Node, embedded_node_with_http, free_port_pair, get_json, http};
+use super::support::{
+    Client, Mosquitto, Node, copy_digits_version, embedded_node_with_http, free_port_pair, get_json, http,
+};
 use crate::{digits_request, heldout, models_dir};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -207,25 +209,10 @@ async fn sigterm_under_load_answers_or_leaves_for_redelivery_every_request() {
     assert!(missing.is_empty(), "lost requests: {missing:?}");
 }
 
-fn copy_version(models: &Path, version: &str, break_sha: bool) {
-    let from = models_dir().join("digits/1");
-    let dir = models.join("digits").join(version);
-    std::fs::create_dir_all(&dir).unwrap();
-    for f in ["model.onnx", "golden.json"] {
-        std::fs::copy(from.join(f), dir.join(f)).unwrap();
-    }
-    let mut manifest = std::fs::read_to_string(from.join("model.toml")).unwrap();
-    manifest = manifest.replace("version = \"1\"", &format!("version = \"{version}\""));
-    if break_sha {
-        manifest = manifest.replace("sha256 = \"e", "sha256 = \"0");
-    }
-    std::fs::write(dir.join("model.toml"), manifest).unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old() {
     let models = tempfile::tempdir().unwrap();
-    copy_version(models.path(), "1", false);
+    copy_digits_version(models.path(), "1", false);
     let config = models.path().join("edgeinfer.toml");
     std::fs::write(&config, "[node]\ndrain_timeout_s = 5\n").unwrap();
     let (models_env, config_env) = (models.path().display().to_string(), config.display().to_string());
@@ -247,7 +234,7 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
         sent += 1;
         tokio::time::sleep(Duration::from_millis(2)).await;
         if !reloaded && started.elapsed() > Duration::from_secs(1) {
-            copy_version(models.path(), "2", false);
+            copy_digits_version(models.path(), "2", false);
             node.signal("HUP");
             reloaded = true;
         }
@@ -272,7 +259,7 @@ async fn sighup_swaps_in_a_new_version_under_load_and_a_bad_reload_keeps_the_old
     eprintln!("{sent} requests, 0 errors, first version 2 reply at #{first_v2}");
 
     // A broken new version and a bad config are refused; version 2 serves on.
-    copy_version(models.path(), "3", true);
+    copy_digits_version(models.path(), "3", true);
     node.signal("HUP");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // A setting only a restart applies: served on as before, and said so.

@@ -404,3 +404,20 @@ pub fn loopback_cert(
     params.distinguished_name.push(rcgen::DnType::CommonName, name);
     (params.signed_by(&key, ca).unwrap(), key)
 }
+
+/// Version `version` of `digits` under `models`: a copy of the shipped
+/// version 1, renamed; with `break_sha`, one whose sha256 check fails.
+pub fn copy_digits_version(models: &std::path::Path, version: &str, break_sha: bool) {
+    let from = models_dir().join("digits/1");
+    let dir = models.join("digits").join(version);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.onnx", "golden.json"] {
+        std::fs::copy(from.join(f), dir.join(f)).unwrap();
+    }
+    let mut manifest = std::fs::read_to_string(from.join("model.toml")).unwrap();
+    manifest = manifest.replace("version = \"1\"", &format!("version = \"{version}\""));
+    if break_sha {
+        manifest = manifest.replace("sha256 = \"e", "sha256 = \"0");
+    }
+    std::fs::write(dir.join("model.toml"), manifest).unwrap();
+}
