@@ -1,24 +1,30 @@
-//! `edgeinfer cache stats|purge`: against the running node through its
-//! local HTTP endpoint (the store is locked while a node has it open), or
-//! straight on the store when no node is running.
+//! `edgeinfer cache stats|purge` and `edgeinfer models status|promote|rollback`:
+//! against the running node through its local HTTP endpoint (the cache
+//! store and the deployment state are locked while a node has them), or
+//! straight on the store and the state file when no node is running.
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
+use crate::rollout::{Decision, Deployments, ModelReport, RolloutError};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
     #[error(
-        "the cache store {path} is held by a running node, but {url} did not answer ({reason}); \
+        "{what} {path} is held by a running node, but {url} did not answer ({reason}); \
          give the node's HTTP address with --url, or set http.listen"
     )]
-    Busy { path: PathBuf, url: String, reason: String },
+    Busy { what: &'static str, path: PathBuf, url: String, reason: String },
     #[error("{url} answered {status}: {body}")]
     Refused { url: String, status: u16, body: String },
     #[error("{url}: {reason}")]
     Http { url: String, reason: String },
     #[error("the cache store: {0}")]
     Store(String),
+    #[error(transparent)]
+    Rollout(#[from] RolloutError),
+    #[error("node.models_dir {path}: {reason}")]
+    Models { path: PathBuf, reason: String },
 }
 
 /// Where an answer came from.
@@ -26,6 +32,8 @@ pub enum AdminError {
 pub enum Source {
     Node(String),
     Store(PathBuf),
+    /// The deployment state file.
+    State(PathBuf),
 }
 
 impl std::fmt::Display for Source {
@@ -33,6 +41,7 @@ impl std::fmt::Display for Source {
         match self {
             Source::Node(url) => write!(f, "running node at {url}"),
             Source::Store(path) => write!(f, "store {} (no node running)", path.display()),
+            Source::State(path) => write!(f, "{} (no node running)", path.display()),
         }
     }
 }
@@ -85,6 +94,103 @@ pub async fn cache_purge(
     let cache = open_store(config, base.as_deref(), no_node).await?;
     let n = cache.purge(model).await.map_err(|e| AdminError::Store(e.to_string()))?;
     Ok((n, Source::Store(config.node.state_dir.join("cache"))))
+}
+
+/// A change to a model's deployment.
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// `version`, or the newest, becomes stable.
+    Promote { model: String, version: Option<String> },
+    /// The stable before the current one serves again.
+    Rollback { model: String },
+}
+
+pub async fn models_status(
+    config: &Config,
+    url: Option<&str>,
+    model: Option<&str>,
+) -> Result<(Vec<ModelReport>, Source), AdminError> {
+    let base = base_url(config, url);
+    let mut no_node = None;
+    if let Some(base) = &base {
+        let url = match model {
+            Some(m) => format!("{base}/models/status?model={}", query_value(m)),
+            None => format!("{base}/models/status"),
+        };
+        match send(config, "GET", &url).await {
+            Ok(body) => return Ok((decode(&url, &body)?, Source::Node(base.clone()))),
+            Err(Attempt::Failed(e)) => return Err(e),
+            Err(Attempt::NoNode(reason)) => no_node = Some(reason),
+        }
+    }
+    let (_lock, deployments, available) = open_state(config, base.as_deref(), no_node)?;
+    let report = deployments.report(&available, model)?;
+    Ok((report, Source::State(config.node.state_dir.join(crate::rollout::state::FILE_NAME))))
+}
+
+pub async fn models_change(
+    config: &Config,
+    url: Option<&str>,
+    change: &Change,
+) -> Result<(Decision, Source), AdminError> {
+    let base = base_url(config, url);
+    let mut no_node = None;
+    if let Some(base) = &base {
+        let url = match change {
+            Change::Promote { model, version: Some(v) } => {
+                format!("{base}/models/promote?model={}&version={}", query_value(model), query_value(v))
+            }
+            Change::Promote { model, version: None } => {
+                format!("{base}/models/promote?model={}", query_value(model))
+            }
+            Change::Rollback { model } => format!("{base}/models/rollback?model={}", query_value(model)),
+        };
+        match send(config, "POST", &url).await {
+            Ok(body) => return Ok((decode(&url, &body)?, Source::Node(base.clone()))),
+            Err(Attempt::Failed(e)) => return Err(e),
+            Err(Attempt::NoNode(reason)) => no_node = Some(reason),
+        }
+    }
+    let (_lock, mut deployments, available) = open_state(config, base.as_deref(), no_node)?;
+    let now_s = crate::telemetry::unix_now();
+    let decision = match change {
+        Change::Promote { model, version } => {
+            deployments.promote(model, version.as_deref(), &available, "models promote (no node)", now_s)?
+        }
+        Change::Rollback { model } => {
+            deployments.rollback(model, &available, "models rollback (no node)", now_s)?
+        }
+    };
+    deployments.save(&config.node.state_dir)?;
+    Ok((decision, Source::State(config.node.state_dir.join(crate::rollout::state::FILE_NAME))))
+}
+
+fn decode<T: serde::de::DeserializeOwned>(url: &str, body: &str) -> Result<T, AdminError> {
+    serde_json::from_str(body)
+        .map_err(|e| AdminError::Http { url: url.into(), reason: format!("unexpected answer: {e}") })
+}
+
+/// The deployment state and the versions on disk, with the lock that keeps
+/// a node from starting meanwhile; refused while a node holds it.
+fn open_state(
+    config: &Config,
+    url: Option<&str>,
+    reason: Option<String>,
+) -> Result<(std::fs::File, Deployments, crate::rollout::Available), AdminError> {
+    let state_dir = &config.node.state_dir;
+    let Some(lock) = crate::rollout::state::lock(state_dir)? else {
+        return Err(AdminError::Busy {
+            what: "the deployment state in",
+            path: state_dir.clone(),
+            url: url.unwrap_or("(no http.listen)").into(),
+            reason: reason.unwrap_or_else(|| "no address to ask".into()),
+        });
+    };
+    let deployments = Deployments::load(state_dir)?;
+    let dir = &config.node.models_dir;
+    let available = crate::model::versions_on_disk(dir)
+        .map_err(|e| AdminError::Models { path: dir.clone(), reason: e.to_string() })?;
+    Ok((lock, deployments, available))
 }
 
 fn base_url(config: &Config, url: Option<&str>) -> Option<String> {
@@ -165,6 +271,7 @@ async fn open_store(config: &Config, url: Option<&str>, reason: Option<String>) 
     let cache = Cache::open(CacheOptions { enabled: true, ..options });
     if let Some(DiskError::Locked(_)) = cache.disk_error() {
         return Err(AdminError::Busy {
+            what: "the cache store",
             path,
             url: url.unwrap_or("(no http.listen)").into(),
             reason: reason.unwrap_or_else(|| "no address to ask".into()),

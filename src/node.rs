@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::engine::{Cache, CacheOptions, Capture, CaptureOptions, CloudTier, Engine, EngineOptions};
 use crate::lifecycle::{self, Heartbeat, Notifier, ReloadSource, Signal};
 use crate::model::Registry;
+use crate::rollout::Rollout;
 use crate::telemetry::{self, Status, unix_now};
 use crate::transport::mqtt::{BrokerAddress, MqttService, OptionsError};
 use crate::transport::{broker, http};
@@ -37,6 +38,8 @@ pub enum NodeError {
     Tls(#[from] crate::tls::TlsError),
     #[error("http.listen = {listen:?}: cannot listen there: {source}")]
     Http { listen: String, source: std::io::Error },
+    #[error(transparent)]
+    Rollout(#[from] crate::rollout::RolloutError),
 }
 
 /// A started node: its services run on the tokio runtime it was started on.
@@ -106,7 +109,11 @@ impl Node {
                 Err(e) => tracing::error!("{e}; serving without capture"),
             }
         }
-        let engine = Arc::new(engine);
+        // A state that cannot be read stops the start: serving the newest
+        // version instead could bring back one that was rolled back.
+        let rollout = Rollout::start(config.node.state_dir.clone())?;
+        let rollout_changed = rollout.changed();
+        let engine = Arc::new(engine.with_rollout(rollout));
         if metrics.is_some() {
             tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
         }
@@ -119,6 +126,14 @@ impl Node {
         let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
         let service = service.with_follow_ups(follow_ups_rx);
         let (heartbeat, refresh_status) = (service.heartbeat(), service.status_refresher());
+        // A rollout decision shows in the retained status at once.
+        let refresh = refresh_status.clone();
+        tokio::spawn(async move {
+            loop {
+                rollout_changed.notified().await;
+                refresh.notify_one();
+            }
+        });
         let (stop, _) = watch::channel(false);
         let mut http_server = None;
         if !config.http.listen.is_empty() {
@@ -372,12 +387,7 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 }
 
 fn serving(engine: &Engine) -> String {
-    engine
-        .registry()
-        .active()
-        .map(|m| format!("{} v{}", m.name(), m.version()))
-        .collect::<Vec<_>>()
-        .join(", ")
+    engine.serving().iter().map(|m| format!("{} v{}", m.name(), m.version())).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]

@@ -1,10 +1,13 @@
-//! `edgeinfer models list|verify|profile|compare`: what is in the models
-//! directory, whether it loads, where its time goes, and which to serve.
+//! `edgeinfer models list|verify|profile|compare|status|promote|rollback`:
+//! what is in the models directory, whether it loads, where its time goes,
+//! which to serve, and which version serves.
 
 mod compare;
+mod deploy;
 
 use anyhow::Result;
 use clap::Subcommand;
+use edgeinfer::admin::Change;
 use edgeinfer::config::Config;
 use edgeinfer::model::Registry;
 use std::collections::BTreeSet;
@@ -41,6 +44,39 @@ pub enum ModelsCommand {
     /// recommend the cheapest (lowest p50) that meets --min-accuracy,
     /// --max-p99-ms and --max-agreement-loss. Exits 1 when none does.
     Compare(compare::CompareArgs),
+    /// Which version of each model serves (the stable one the deployment
+    /// state pins, or the newest), what a rollback would return to, the
+    /// versions there are and the last decisions. Asks the running node
+    /// (admin routes on http.listen: loopback, or http.admin_token_file's
+    /// token); with no node running, reads node.state_dir and the models
+    /// directory.
+    Status {
+        /// Only this model.
+        model: Option<String>,
+        #[command(flatten)]
+        target: deploy::Target,
+    },
+    /// Make a version the stable one: it answers every request that names
+    /// no version, at once, with nothing reloaded; the one it replaces is
+    /// what `models rollback` returns to. Written to node.state_dir before
+    /// it takes effect, so it holds across restarts.
+    Promote {
+        /// The model's name.
+        model: String,
+        /// The version; default: the newest loaded.
+        version: Option<String>,
+        #[command(flatten)]
+        target: deploy::Target,
+    },
+    /// Return a model to the stable version before the current one (without
+    /// any deployment state yet: the next older version), at once. A newer
+    /// version on disk then waits for `models promote`.
+    Rollback {
+        /// The model's name.
+        model: String,
+        #[command(flatten)]
+        target: deploy::Target,
+    },
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized
     /// plan runs integer or float kernels, and time it. Exits 1 when any
@@ -53,18 +89,36 @@ pub enum ModelsCommand {
 }
 
 pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
+    // These need no model loaded.
+    let command = match command {
+        ModelsCommand::Status { model, target } => return deploy::status(config, model, target),
+        ModelsCommand::Promote { model, version, target } => {
+            return deploy::change(config, Change::Promote { model, version }, target);
+        }
+        ModelsCommand::Rollback { model, target } => {
+            return deploy::change(config, Change::Rollback { model }, target);
+        }
+        other => other,
+    };
     let registry = super::load_models(config, false)?;
     match command {
-        ModelsCommand::List => list(&registry),
+        ModelsCommand::List => list(config, &registry),
         ModelsCommand::Profile { model, version, batch, iterations, top } => {
             profile(&registry, &model, version.as_deref(), batch, iterations, top)
         }
         ModelsCommand::Verify { iterations } => verify(&registry, iterations),
         ModelsCommand::Compare(args) => compare::run(config, registry, args),
+        ModelsCommand::Status { .. } | ModelsCommand::Promote { .. } | ModelsCommand::Rollback { .. } => {
+            unreachable!("answered above")
+        }
     }
 }
 
-fn list(registry: &Registry) -> Result<i32> {
+fn list(config: &Config, registry: &Registry) -> Result<i32> {
+    // The version a node would serve: the deployment state's stable one.
+    let deployments = edgeinfer::rollout::Deployments::load(&config.node.state_dir)?;
+    let serving: Vec<&Arc<edgeinfer::model::LoadedModel>> =
+        registry.serving(|m| deployments.stable(m)).collect();
     println!("{:<16} {:<8} {:<6} {:<9} {:<10} STATUS", "MODEL", "VERSION", "QUANT", "KERNELS", "SHA256");
     for m in registry.all() {
         println!(
@@ -74,7 +128,7 @@ fn list(registry: &Registry) -> Result<i32> {
             m.manifest.quantization.as_str(),
             m.kernels.kind(),
             &m.manifest.sha256[..8],
-            if registry.active().any(|a| Arc::ptr_eq(a, m)) { "active" } else { "loaded" }
+            if serving.iter().any(|a| Arc::ptr_eq(a, m)) { "active" } else { "loaded" }
         );
     }
     for r in &registry.refused {

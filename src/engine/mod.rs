@@ -29,8 +29,9 @@ pub use run::{Runner, SpawnError};
 pub use stats::ModelStats;
 
 use crate::cloud::Settled;
-use crate::model::Registry;
+use crate::model::{LoadedModel, Registry};
 use crate::protocol::{Encoding, ErrorCode, FollowUp, InferError, InferRequest, InferResponse, codec};
+use crate::rollout::{Deployments, Rollout};
 use crate::telemetry::{self, Stage};
 use cache::Lookup;
 use cascade::Cascade;
@@ -77,6 +78,9 @@ pub struct Engine {
     cloud_tier: Option<CloudTier>,
     /// The capture of real inputs, when `capture.enabled`.
     capture: Option<Capture>,
+    /// The deployment state (which version is stable); without it the
+    /// newest version of each model serves.
+    rollout: Option<Rollout>,
     stats: Stats,
     /// Why the last reload was refused, and the changed settings that wait
     /// for a restart, for the status.
@@ -101,6 +105,7 @@ impl Engine {
             cache,
             cloud_tier: None,
             capture: None,
+            rollout: None,
             stats: Stats::start(),
             reload_outcome: Default::default(),
         })
@@ -116,6 +121,28 @@ impl Engine {
     pub fn with_capture(mut self, capture: Capture) -> Engine {
         self.capture = Some(capture);
         self
+    }
+
+    /// Serves the versions the deployment state pins from now on.
+    pub fn with_rollout(mut self, rollout: Rollout) -> Engine {
+        self.rollout = Some(rollout);
+        self
+    }
+
+    pub fn rollout(&self) -> Option<&Rollout> {
+        self.rollout.as_ref()
+    }
+
+    /// The deployment state in service, if there is one.
+    fn deployments(&self) -> Option<Arc<Deployments>> {
+        self.rollout.as_ref().map(Rollout::current)
+    }
+
+    /// The version of each model that answers a request naming none.
+    pub fn serving(&self) -> Vec<Arc<LoadedModel>> {
+        let (generation, deployments) = (self.current(), self.deployments());
+        let stable = |model: &str| deployments.as_deref().and_then(|d| d.stable(model));
+        generation.registry.serving(stable).cloned().collect()
     }
 
     /// Bytes in, bytes out: the whole pipeline, for transports.
@@ -189,7 +216,9 @@ impl Engine {
             tokio::time::sleep(delay).await;
         }
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
-        let runner = resolve::resolve(&generation.runners, &envelope, &req)?;
+        let deployments = self.deployments();
+        let stable = deployments.as_deref().and_then(|d| d.stable(envelope.model));
+        let runner = resolve::resolve(&generation.runners, &envelope, &req, stable)?;
         let model = runner.model();
         let prepared = preprocess::prepare(model, &req, &generation.options.limits)?;
         let options = &generation.options;
@@ -264,7 +293,7 @@ impl Engine {
     /// since the previous call its inference threads were busy.
     pub fn publish_saturation(&self) {
         let generation = self.current();
-        for model in generation.registry.active() {
+        for model in self.serving() {
             if let Ok(runner) = generation.runners.get(model.name(), Some(model.version())) {
                 metrics::gauge!(telemetry::INFERENCE_BUSY, "model" => model.name().to_string())
                     .set(runner.busy_share());
@@ -359,6 +388,8 @@ impl Engine {
             self.reload_outcome.lock().unwrap_or_else(|e| e.into_inner()).clone();
         telemetry::EngineSnapshot {
             registry: self.registry(),
+            serving: self.serving().iter().map(|m| (m.name().to_string(), m.version().to_string())).collect(),
+            deployments: self.deployments(),
             requests: self.request_counts(),
             cache: self.cache.health(),
             cloud: self.cloud_state().map(|s| s.as_str()),

@@ -1,8 +1,9 @@
 //! Stage 2: which model version answers, found together with the inference
 //! threads that run it, so the two cannot disagree. The version a transport
 //! names (`/v2/models/M/versions/V/infer`) wins over
-//! `parameters.model_version`, which wins over the active version. Rollout
-//! routing (canary and shadow versions) belongs here.
+//! `parameters.model_version`, which wins over the stable version the
+//! deployment state pins (`rollout`), which wins over the newest. Canary
+//! and shadow routing belong here.
 
 use super::envelope::Envelope;
 use super::run::Runner;
@@ -13,7 +14,14 @@ pub fn resolve<'g>(
     runners: &'g Versions<Runner>,
     envelope: &Envelope<'_>,
     req: &InferRequest,
+    stable: Option<&str>,
 ) -> Result<&'g Runner, InferError> {
-    let version = envelope.version.or(req.parameters.model_version.as_deref());
-    runners.get(envelope.model, version)
+    match envelope.version.or(req.parameters.model_version.as_deref()) {
+        Some(version) => runners.get(envelope.model, Some(version)),
+        // A pinned stable that is not loaded (its directory gone, or
+        // refused at load): the newest serves.
+        None => stable
+            .and_then(|v| runners.get(envelope.model, Some(v)).ok())
+            .map_or_else(|| runners.get(envelope.model, None), Ok),
+    }
 }

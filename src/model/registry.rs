@@ -129,6 +129,27 @@ impl Registry {
         self.models.all()
     }
 
+    /// Each model's loaded versions in serving order, the newest last.
+    pub fn available(&self) -> BTreeMap<String, Vec<String>> {
+        self.models
+            .by_name
+            .iter()
+            .map(|(name, v)| (name.clone(), v.keys().map(|k| k.1.clone()).collect()))
+            .collect()
+    }
+
+    /// The version of each model that serves a request naming none: the
+    /// one `stable` pins when it is loaded, else the newest.
+    pub fn serving<'a>(
+        &'a self,
+        stable: impl Fn(&str) -> Option<&'a str> + 'a,
+    ) -> impl Iterator<Item = &'a Arc<LoadedModel>> + 'a {
+        self.models.by_name.iter().filter_map(move |(name, versions)| {
+            let pinned = stable(name).and_then(|v| versions.get(&VersionKey::of(v)));
+            pinned.or_else(|| versions.values().next_back())
+        })
+    }
+
     pub fn versions(&self, name: &str) -> Vec<String> {
         self.models.by_name.get(name).map(|v| v.keys().map(|k| k.1.clone()).collect()).unwrap_or_default()
     }
@@ -221,6 +242,25 @@ impl<T> Versions<T> {
             self.by_name.keys().cloned().collect::<Vec<_>>().join(", ")
         }
     }
+}
+
+/// Each model's version directories (those with a `model.toml`) in
+/// serving order, without loading them: what a command sees with no node
+/// running.
+pub fn versions_on_disk(dir: &Path) -> Result<BTreeMap<String, Vec<String>>, LoadError> {
+    let mut available = BTreeMap::new();
+    for name_dir in sorted_dirs(dir)? {
+        let mut versions: Vec<VersionKey> = sorted_dirs(&name_dir)?
+            .iter()
+            .filter(|d| d.join("model.toml").is_file())
+            .filter_map(|d| Some(VersionKey::of(d.file_name()?.to_str()?)))
+            .collect();
+        versions.sort();
+        if let (false, Some(name)) = (versions.is_empty(), name_dir.file_name().and_then(|n| n.to_str())) {
+            available.insert(name.to_string(), versions.into_iter().map(|k| k.1).collect());
+        }
+    }
+    Ok(available)
 }
 
 fn sorted_dirs(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {

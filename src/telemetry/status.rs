@@ -1,7 +1,9 @@
 //! The retained status message.
 
 use crate::model::Registry;
+use crate::rollout::{Decision, Deployments};
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -43,12 +45,45 @@ pub struct Status {
     pub rss_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
+    /// Per model with a deployment state: the stable version and the last
+    /// decision (`edgeinfer models promote|rollback`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub rollout: BTreeMap<String, RolloutStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RolloutStatus {
+    pub stable: String,
+    /// What `models rollback` would return to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_decision: Option<Decision>,
+}
+
+fn rollout(deployments: Option<&Deployments>) -> BTreeMap<String, RolloutStatus> {
+    let Some(deployments) = deployments else { return BTreeMap::new() };
+    deployments
+        .models
+        .iter()
+        .map(|(name, d)| {
+            let status = RolloutStatus {
+                stable: d.stable.clone(),
+                previous: d.previous.last().cloned(),
+                last_decision: d.history.last().cloned(),
+            };
+            (name.clone(), status)
+        })
+        .collect()
 }
 
 /// What changes while a node runs, for a status snapshot.
 #[derive(Debug, Clone)]
 pub struct EngineSnapshot {
     pub registry: std::sync::Arc<Registry>,
+    /// The version of each model that answers a request naming none.
+    pub serving: Vec<(String, String)>,
+    pub deployments: Option<std::sync::Arc<Deployments>>,
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
     pub cloud: Option<&'static str>,
@@ -106,7 +141,8 @@ impl Status {
             restart_needed: Vec::new(),
             rss_bytes: None,
             peak_rss_bytes: None,
-            models: models(registry),
+            models: models(registry, &newest(registry)),
+            rollout: BTreeMap::new(),
         }
     }
 
@@ -123,7 +159,8 @@ impl Status {
         let mut s = self.clone();
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);
-        s.models = models(&live.registry);
+        s.models = models(&live.registry, &live.serving);
+        s.rollout = rollout(live.deployments.as_deref());
         s.requests = live.requests;
         s.cache = live.cache;
         s.cloud = live.cloud;
@@ -135,8 +172,14 @@ impl Status {
     }
 }
 
-fn models(registry: &Registry) -> Vec<ModelStatus> {
-    let active: Vec<_> = registry.active().map(|m| (m.name().to_string(), m.version().to_string())).collect();
+fn newest(registry: &Registry) -> Vec<(String, String)> {
+    registry.active().map(|m| (m.name().to_string(), m.version().to_string())).collect()
+}
+
+/// Every loaded version; `active` marks the one serving requests that name
+/// none.
+fn models(registry: &Registry, serving: &[(String, String)]) -> Vec<ModelStatus> {
+    let active = serving;
     registry
         .all()
         .map(|m| ModelStatus {

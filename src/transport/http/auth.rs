@@ -81,7 +81,7 @@ impl Access {
                 // Protected with only the admin token configured.
                 (true, None) => Class::Admin,
             }
-        } else if path.starts_with("/cache/") {
+        } else if path.starts_with("/cache/") || path.starts_with("/models/") {
             Class::Admin
         } else {
             Class::Infer
@@ -144,8 +144,8 @@ fn unauthorized(fix: &str) -> Response {
 
 fn forbidden(peer: SocketAddr) -> Response {
     let body = serde_json::json!({"error": format!(
-        "{peer}: without http.admin_token_file, cache administration is answered only to a loopback peer \
-         that did not come through a proxy; run edgeinfer cache on the node itself, or set http.admin_token_file"
+        "{peer}: without http.admin_token_file, administration (cache, models) is answered only to a loopback peer \
+         that did not come through a proxy; run edgeinfer cache or models on the node itself, or set http.admin_token_file"
     )});
     (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
 }
@@ -174,6 +174,8 @@ mod tests {
         assert_eq!(status(&open, "/cache/purge", &[], local), 200);
         assert_eq!(status(&open, "/cache/purge", &[], remote), 403);
         assert_eq!(status(&open, "/cache/purge", &[("x-forwarded-for", "10.0.0.9")], local), 403);
+        assert_eq!(status(&open, "/models/rollback", &[], local), 200);
+        assert_eq!(status(&open, "/models/rollback", &[], remote), 403, "rollout is administration");
 
         let closed =
             Access { infer: Some(Token::of("inf")), admin: Some(Token::of("adm")), protect_metrics: true };
@@ -186,6 +188,8 @@ mod tests {
         assert_eq!(status(&closed, "/v2/models/digits", &[("authorization", "Bearer nope")], remote), 401);
         assert_eq!(status(&closed, "/cache/stats", &[("authorization", "Bearer inf")], local), 401);
         assert_eq!(status(&closed, "/cache/stats", &[("authorization", "Bearer adm")], remote), 200);
+        assert_eq!(status(&closed, "/models/promote", &[("authorization", "Bearer inf")], local), 401);
+        assert_eq!(status(&closed, "/models/promote", &[("authorization", "Bearer adm")], remote), 200);
         assert_eq!(status(&closed, "/metrics", &[], local), 401);
         let admin_only = Access { infer: None, admin: Some(Token::of("adm")), protect_metrics: true };
         assert_eq!(status(&admin_only, "/metrics", &[], local), 401, "protected by the admin token");

@@ -10,6 +10,7 @@ pub use server::{Listener, serve};
 
 use crate::engine::{Engine, Envelope};
 use crate::protocol::{Encoding, ErrorReply, InferError};
+use crate::rollout::RolloutError;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -48,6 +49,9 @@ pub fn router(
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_version))
         .route("/cache/stats", get(cache_stats))
         .route("/cache/purge", post(cache_purge))
+        .route("/models/status", get(models_status))
+        .route("/models/promote", post(models_promote))
+        .route("/models/rollback", post(models_rollback))
         .with_state(AppState { engine, metrics, mqtt_ready, body_timeout })
         .layer(axum::middleware::from_fn_with_state(Arc::new(access), auth::guard))
 }
@@ -71,6 +75,55 @@ async fn cache_purge(State(state): State<AppState>, Query(q): Query<PurgeQuery>)
     }
 }
 
+#[derive(serde::Deserialize)]
+struct ModelQuery {
+    model: Option<String>,
+    version: Option<String>,
+}
+
+fn rollout_error(e: &RolloutError) -> Response {
+    let status = match e {
+        RolloutError::UnknownModel { .. } | RolloutError::UnknownVersion { .. } => StatusCode::NOT_FOUND,
+        RolloutError::NothingToRollBack { .. } | RolloutError::AlreadyStable { .. } => StatusCode::CONFLICT,
+        RolloutError::State { .. } | RolloutError::Stopped => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, axum::Json(serde_json::json!({"error": e.to_string()}))).into_response()
+}
+
+fn no_rollout() -> Response {
+    let body = serde_json::json!({"error": "this process keeps no deployment state"});
+    (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
+}
+
+async fn models_status(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
+    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    let available = state.engine.registry().available();
+    match rollout.current().report(&available, q.model.as_deref()) {
+        Ok(report) => axum::Json(report).into_response(),
+        Err(e) => rollout_error(&e),
+    }
+}
+
+async fn models_promote(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
+    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    let model = q.model.unwrap_or_default();
+    let available = state.engine.registry().available();
+    match rollout.promote(&model, q.version.as_deref(), available, "models promote (http)").await {
+        Ok(decision) => axum::Json(decision).into_response(),
+        Err(e) => rollout_error(&e),
+    }
+}
+
+async fn models_rollback(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
+    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    let model = q.model.unwrap_or_default();
+    let available = state.engine.registry().available();
+    match rollout.rollback(&model, available, "models rollback (http)").await {
+        Ok(decision) => axum::Json(decision).into_response(),
+        Err(e) => rollout_error(&e),
+    }
+}
+
 async fn scrape(State(state): State<AppState>) -> Response {
     match &state.metrics {
         Some(handle) => {
@@ -82,7 +135,7 @@ async fn scrape(State(state): State<AppState>) -> Response {
 }
 
 async fn ready(State(state): State<AppState>) -> Response {
-    let models = state.engine.registry().active().count() > 0;
+    let models = !state.engine.serving().is_empty();
     let mqtt = *state.mqtt_ready.borrow();
     let body = axum::Json(
         serde_json::json!({"ready": models && mqtt, "models_loaded": models, "mqtt_connected": mqtt}),

@@ -11,6 +11,7 @@ mod lifecycle;
 mod mosquitto;
 mod observability;
 mod redis;
+mod rollout;
 pub mod support;
 
 use crate::{digits_request, heldout};

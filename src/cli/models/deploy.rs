@@ -1,0 +1,67 @@
+//! `edgeinfer models status|promote|rollback`: which version of a model
+//! serves, through the running node's admin routes, or on the deployment
+//! state file when no node runs (the node reads it at start).
+
+use anyhow::Result;
+use clap::Args;
+use edgeinfer::admin::{self, Change};
+use edgeinfer::config::Config;
+use edgeinfer::rollout::{Decision, ModelReport};
+
+#[derive(Args)]
+pub struct Target {
+    /// The node's HTTP address; default: http://<http.listen>.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Print the answer as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn status(config: &Config, model: Option<String>, target: Target) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (report, source) =
+        rt.block_on(admin::models_status(config, target.url.as_deref(), model.as_deref()))?;
+    if target.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(0);
+    }
+    println!("deployments of the {source}");
+    println!("{:<16} {:<8} {:<8} {:<9} VERSIONS", "MODEL", "SERVING", "STABLE", "ROLLBACK");
+    for m in &report {
+        print_model(m);
+    }
+    Ok(0)
+}
+
+fn print_model(m: &ModelReport) {
+    let or_dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let stable = m.stable.clone().unwrap_or_else(|| "newest".into());
+    println!(
+        "{:<16} {:<8} {:<8} {:<9} {}",
+        m.model,
+        m.serving,
+        stable,
+        or_dash(&m.previous),
+        m.versions.join(", ")
+    );
+    for d in m.history.iter().rev().take(5) {
+        println!("    {}", describe(d));
+    }
+}
+
+fn describe(d: &Decision) -> String {
+    let action = d.action.as_str();
+    format!("{} v{} -> v{}: {action} at {} by {} ({})", d.model, d.from, d.version, d.at_s, d.by, d.reason)
+}
+
+pub fn change(config: &Config, change: Change, target: Target) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (decision, source) = rt.block_on(admin::models_change(config, target.url.as_deref(), &change))?;
+    if target.json {
+        println!("{}", serde_json::to_string_pretty(&decision)?);
+    } else {
+        println!("{} (the {source})", describe(&decision));
+    }
+    Ok(0)
+}

@@ -1,0 +1,142 @@
+//! Which version of each model serves: the deployment state one thread
+//! owns (`state.rs` holds the state and its file). Commands reach it over
+//! a channel, each with its own reply channel; it writes the new state to
+//! disk, then publishes it, and only then answers. Requests read the
+//! published snapshot (`Rollout::current`) to pick the version, so a
+//! rollback applies to the next request, with nothing reloaded.
+
+pub mod state;
+
+pub use state::{Action, Available, Decision, Deployment, Deployments, ModelReport, RolloutError};
+
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+type Answer = oneshot::Sender<Result<Decision, RolloutError>>;
+
+enum Command {
+    Promote { model: String, version: Option<String>, available: Available, by: String, reply: Answer },
+    Rollback { model: String, available: Available, by: String, reply: Answer },
+}
+
+/// The handle requests and commands use.
+pub struct Rollout {
+    commands: mpsc::Sender<Command>,
+    current: Arc<RwLock<Arc<Deployments>>>,
+    /// Notified after each decision takes effect (the node republishes
+    /// its status).
+    changed: Arc<Notify>,
+}
+
+impl Rollout {
+    /// Reads the state in `state_dir` and starts the thread that owns it.
+    pub fn start(state_dir: PathBuf) -> Result<Rollout, RolloutError> {
+        let state = Deployments::load(&state_dir)?;
+        // Held for the process's life; commands run without a node check it.
+        let held = state::lock(&state_dir)?;
+        if held.is_none() {
+            tracing::warn!(
+                "{} in {} is held by another process: two nodes share node.state_dir",
+                state::LOCK_NAME,
+                state_dir.display()
+            );
+        }
+        let current = Arc::new(RwLock::new(Arc::new(state.clone())));
+        let (commands, inbox) = mpsc::channel(16);
+        let changed = Arc::new(Notify::new());
+        let (published, notify) = (current.clone(), changed.clone());
+        std::thread::Builder::new()
+            .name("rollout".into())
+            .spawn(move || {
+                let _held = held;
+                own(state_dir, state, published, notify, inbox)
+            })
+            .map_err(|e| RolloutError::State { path: PathBuf::from("(thread)"), reason: e.to_string() })?;
+        Ok(Rollout { commands, current, changed })
+    }
+
+    pub fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
+    /// The state in service now.
+    pub fn current(&self) -> Arc<Deployments> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub async fn promote(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        available: Available,
+        by: &str,
+    ) -> Result<Decision, RolloutError> {
+        let (reply, answer) = oneshot::channel();
+        let (model, version, by) = (model.to_string(), version.map(str::to_string), by.to_string());
+        self.ask(Command::Promote { model, version, available, by, reply }, answer).await
+    }
+
+    pub async fn rollback(
+        &self,
+        model: &str,
+        available: Available,
+        by: &str,
+    ) -> Result<Decision, RolloutError> {
+        let (reply, answer) = oneshot::channel();
+        let (model, by) = (model.to_string(), by.to_string());
+        self.ask(Command::Rollback { model, available, by, reply }, answer).await
+    }
+
+    async fn ask(
+        &self,
+        command: Command,
+        answer: oneshot::Receiver<Result<Decision, RolloutError>>,
+    ) -> Result<Decision, RolloutError> {
+        self.commands.send(command).await.map_err(|_| RolloutError::Stopped)?;
+        answer.await.map_err(|_| RolloutError::Stopped)?
+    }
+}
+
+/// The owner: each command on a copy of the state, which replaces the
+/// state only once it is on disk.
+fn own(
+    state_dir: PathBuf,
+    mut state: Deployments,
+    published: Arc<RwLock<Arc<Deployments>>>,
+    changed: Arc<Notify>,
+    mut inbox: mpsc::Receiver<Command>,
+) {
+    while let Some(command) = inbox.blocking_recv() {
+        let mut next = state.clone();
+        let now_s =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let (outcome, reply) = match command {
+            Command::Promote { model, version, available, by, reply } => {
+                (next.promote(&model, version.as_deref(), &available, &by, now_s), reply)
+            }
+            Command::Rollback { model, available, by, reply } => {
+                (next.rollback(&model, &available, &by, now_s), reply)
+            }
+        };
+        let outcome = outcome.and_then(|decision| {
+            next.save(&state_dir)?;
+            Ok(decision)
+        });
+        if let Ok(d) = &outcome {
+            tracing::info!(
+                "rollout: {} {}: v{} -> v{} (by {}: {})",
+                d.model,
+                d.action.as_str(),
+                d.from,
+                d.version,
+                d.by,
+                d.reason
+            );
+            state = next;
+            *published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(state.clone());
+            changed.notify_one();
+        }
+        let _ = reply.send(outcome);
+    }
+}

@@ -1,0 +1,352 @@
+//! The deployment state of each model, in `node.state_dir/deployments.json`:
+//! which version is stable, the stables before it (what a rollback returns
+//! to) and the decisions taken. Written whole to a new file, synced, then
+//! renamed over the old one, before a decision takes effect: a kill -9 at
+//! any moment leaves the old state or the new, never a torn one. A node
+//! without the file serves as it always did: the newest version.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub const FILE_NAME: &str = "deployments.json";
+/// Decisions kept per model; older ones fall off.
+const HISTORY: usize = 50;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error("no model {model:?} here; models: {known}")]
+    UnknownModel { model: String, known: String },
+    #[error("model {model} has no version {version:?}; versions: {known}")]
+    UnknownVersion { model: String, version: String, known: String },
+    #[error("model {model}: nothing to roll back to ({why})")]
+    NothingToRollBack { model: String, why: String },
+    #[error("model {model} v{version} is already stable")]
+    AlreadyStable { model: String, version: String },
+    #[error("the deployment state {path}: {reason}")]
+    State { path: PathBuf, reason: String },
+    #[error("the rollout task has stopped")]
+    Stopped,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Promoted,
+    RolledBack,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Promoted => "promoted",
+            Action::RolledBack => "rolled back",
+        }
+    }
+}
+
+/// One decision, as the status and `models status` show it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    pub model: String,
+    pub at_s: u64,
+    pub action: Action,
+    /// The version that became stable.
+    pub version: String,
+    /// The version that was stable before.
+    pub from: String,
+    /// Who asked: `models promote` (a terminal), `http`, ...
+    pub by: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Deployment {
+    pub stable: String,
+    /// Earlier stables, oldest first: a rollback returns to the last one.
+    pub previous: Vec<String>,
+    /// Newest last, at most `HISTORY`.
+    pub history: Vec<Decision>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Deployments {
+    pub models: BTreeMap<String, Deployment>,
+}
+
+/// The versions of each model that could serve (loaded, or on disk), in
+/// serving order (the newest last).
+pub type Available = BTreeMap<String, Vec<String>>;
+
+impl Deployments {
+    /// The state in `state_dir`; none yet is an empty one.
+    pub fn load(state_dir: &Path) -> Result<Deployments, RolloutError> {
+        let path = state_dir.join(FILE_NAME);
+        let error = |reason: String| RolloutError::State { path: path.clone(), reason };
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                error(format!("cannot be read ({e}); move it away to serve the newest versions"))
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Deployments::default()),
+            Err(e) => Err(error(e.to_string())),
+        }
+    }
+
+    /// Replaces the file in `state_dir` with this state, durably.
+    pub fn save(&self, state_dir: &Path) -> Result<(), RolloutError> {
+        let path = state_dir.join(FILE_NAME);
+        let error = |e: std::io::Error| RolloutError::State { path: path.clone(), reason: e.to_string() };
+        std::fs::create_dir_all(state_dir).map_err(error)?;
+        let fresh = state_dir.join(format!("{FILE_NAME}.new"));
+        let mut file = std::fs::File::create(&fresh).map_err(error)?;
+        let text = serde_json::to_vec_pretty(self).expect("the state is plain data");
+        file.write_all(&text).and_then(|()| file.sync_all()).map_err(error)?;
+        std::fs::rename(&fresh, &path).map_err(error)?;
+        // The rename itself is durable once the directory is synced.
+        std::fs::File::open(state_dir).and_then(|d| d.sync_all()).map_err(error)
+    }
+
+    /// The pinned stable version of `model`, if any.
+    pub fn stable(&self, model: &str) -> Option<&str> {
+        self.models.get(model).map(|d| d.stable.as_str())
+    }
+
+    /// The version serving `model` now: its stable if it can serve, else
+    /// the newest available (what a node without state serves).
+    pub fn serving<'a>(&'a self, model: &str, available: &'a Available) -> Option<&'a str> {
+        let versions = available.get(model)?;
+        match self.stable(model) {
+            Some(v) if versions.iter().any(|a| a == v) => Some(v),
+            _ => versions.last().map(String::as_str),
+        }
+    }
+
+    /// Makes `version` (default: the newest available) `model`'s stable.
+    pub fn promote(
+        &mut self,
+        model: &str,
+        version: Option<&str>,
+        available: &Available,
+        by: &str,
+        now_s: u64,
+    ) -> Result<Decision, RolloutError> {
+        let versions = versions_of(model, available)?;
+        let version = match version {
+            Some(v) if versions.iter().any(|a| a == v) => v.to_string(),
+            Some(v) => {
+                return Err(RolloutError::UnknownVersion {
+                    model: model.into(),
+                    version: v.into(),
+                    known: versions.join(", "),
+                });
+            }
+            None => versions.last().cloned().unwrap_or_default(),
+        };
+        let from = self.serving(model, available).unwrap_or_default().to_string();
+        if from == version {
+            return Err(RolloutError::AlreadyStable { model: model.into(), version });
+        }
+        let deployment = self.models.entry(model.to_string()).or_default();
+        if !from.is_empty() {
+            deployment.previous.push(from.clone());
+            let excess = deployment.previous.len().saturating_sub(HISTORY);
+            deployment.previous.drain(..excess);
+        }
+        deployment.stable = version.clone();
+        let decision = Decision {
+            model: model.into(),
+            at_s: now_s,
+            action: Action::Promoted,
+            version,
+            from,
+            by: by.into(),
+            reason: "promoted by command".into(),
+        };
+        record(deployment, decision.clone());
+        Ok(decision)
+    }
+
+    /// Returns `model` to the stable before the current one (without state:
+    /// the next older available version).
+    pub fn rollback(
+        &mut self,
+        model: &str,
+        available: &Available,
+        by: &str,
+        now_s: u64,
+    ) -> Result<Decision, RolloutError> {
+        let versions = versions_of(model, available)?;
+        let from = self.serving(model, available).unwrap_or_default().to_string();
+        let deployment = self.models.entry(model.to_string()).or_default();
+        // The last earlier stable that can still serve; without any, the
+        // next older version on disk.
+        let target = loop {
+            match deployment.previous.pop() {
+                Some(v) if versions.contains(&v) && v != from => break Some(v),
+                Some(_) => continue,
+                None => {
+                    let at = versions.iter().position(|v| *v == from).unwrap_or(0);
+                    break at.checked_sub(1).map(|i| versions[i].clone());
+                }
+            }
+        };
+        let Some(version) = target else {
+            if deployment.stable.is_empty() {
+                self.models.remove(model);
+            }
+            return Err(RolloutError::NothingToRollBack {
+                model: model.into(),
+                why: format!("v{from} is the oldest version here"),
+            });
+        };
+        deployment.stable = version.clone();
+        let decision = Decision {
+            model: model.into(),
+            at_s: now_s,
+            action: Action::RolledBack,
+            version,
+            from,
+            by: by.into(),
+            reason: "rolled back by command".into(),
+        };
+        record(deployment, decision.clone());
+        Ok(decision)
+    }
+}
+
+/// One model's deployment as `models status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelReport {
+    pub model: String,
+    /// The version answering requests that name none.
+    pub serving: String,
+    /// The version the state pins; absent: the newest serves.
+    pub stable: Option<String>,
+    /// What `models rollback` returns to.
+    pub previous: Option<String>,
+    pub versions: Vec<String>,
+    pub history: Vec<Decision>,
+}
+
+impl Deployments {
+    /// Every model available, or only `model`.
+    pub fn report(
+        &self,
+        available: &Available,
+        model: Option<&str>,
+    ) -> Result<Vec<ModelReport>, RolloutError> {
+        if let Some(m) = model {
+            versions_of(m, available)?;
+        }
+        let wanted = available.iter().filter(|(name, _)| model.is_none_or(|m| m == name.as_str()));
+        Ok(wanted
+            .map(|(name, versions)| {
+                let deployment = self.models.get(name);
+                ModelReport {
+                    model: name.clone(),
+                    serving: self.serving(name, available).unwrap_or_default().to_string(),
+                    stable: deployment.map(|d| d.stable.clone()),
+                    previous: deployment.and_then(|d| d.previous.last().cloned()).or_else(|| {
+                        // Without state a rollback goes one older.
+                        let at = versions.len().checked_sub(2)?;
+                        deployment.is_none().then(|| versions[at].clone())
+                    }),
+                    versions: versions.clone(),
+                    history: deployment.map(|d| d.history.clone()).unwrap_or_default(),
+                }
+            })
+            .collect())
+    }
+}
+
+/// Held by a running node for its life, so a command with no node to talk
+/// to knows whether it may write the state itself.
+pub const LOCK_NAME: &str = "deployments.lock";
+
+/// Takes the lock in `state_dir`; `Ok(None)` when another process holds it.
+pub fn lock(state_dir: &Path) -> Result<Option<std::fs::File>, RolloutError> {
+    let path = state_dir.join(LOCK_NAME);
+    let error = |e: std::io::Error| RolloutError::State { path: path.clone(), reason: e.to_string() };
+    std::fs::create_dir_all(state_dir).map_err(error)?;
+    let file =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(error)?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(error(e)),
+    }
+}
+
+fn versions_of<'a>(model: &str, available: &'a Available) -> Result<&'a Vec<String>, RolloutError> {
+    available.get(model).filter(|v| !v.is_empty()).ok_or_else(|| RolloutError::UnknownModel {
+        model: model.into(),
+        known: available.keys().cloned().collect::<Vec<_>>().join(", "),
+    })
+}
+
+fn record(deployment: &mut Deployment, decision: Decision) {
+    deployment.history.push(decision);
+    let excess = deployment.history.len().saturating_sub(HISTORY);
+    deployment.history.drain(..excess);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn available(versions: &[&str]) -> Available {
+        BTreeMap::from([("digits".to_string(), versions.iter().map(|v| v.to_string()).collect())])
+    }
+
+    #[test]
+    fn without_state_the_newest_serves_and_rollback_goes_one_older_then_promote_returns() {
+        let two = available(&["1", "2"]);
+        let mut state = Deployments::default();
+        assert_eq!(state.serving("digits", &two), Some("2"));
+        let back = state.rollback("digits", &two, "test", 10).unwrap();
+        assert_eq!((back.action, back.version.as_str(), back.from.as_str()), (Action::RolledBack, "1", "2"));
+        assert_eq!(state.serving("digits", &two), Some("1"));
+        let err = state.rollback("digits", &two, "test", 11).unwrap_err().to_string();
+        assert!(err.contains("nothing to roll back") && err.contains("v1"), "{err}");
+        assert_eq!(state.serving("digits", &two), Some("1"), "a refused rollback changes nothing");
+        // A new version on disk does not serve until promoted.
+        let three = available(&["1", "2", "3"]);
+        assert_eq!(state.serving("digits", &three), Some("1"));
+        let up = state.promote("digits", None, &three, "test", 12).unwrap();
+        assert_eq!((up.version.as_str(), up.from.as_str()), ("3", "1"));
+        // Rollback returns to the stable before, not merely the next older.
+        assert_eq!(state.rollback("digits", &three, "test", 13).unwrap().version, "1");
+        assert_eq!(state.models["digits"].history.len(), 3);
+    }
+
+    #[test]
+    fn promote_refuses_what_is_not_there_or_already_stable_and_names_what_is() {
+        let two = available(&["1", "2"]);
+        let mut state = Deployments::default();
+        let err = state.promote("digits", Some("7"), &two, "t", 1).unwrap_err().to_string();
+        assert!(err.contains("\"7\"") && err.contains("1, 2"), "{err}");
+        let err = state.promote("digits", Some("2"), &two, "t", 1).unwrap_err().to_string();
+        assert!(err.contains("already stable"), "{err}");
+        let err = state.promote("kws", None, &two, "t", 1).unwrap_err().to_string();
+        assert!(err.contains("kws") && err.contains("digits"), "{err}");
+        assert_eq!(state, Deployments::default(), "refusals leave no state behind");
+        // A stable whose directory is gone: the newest serves meanwhile.
+        state.promote("digits", Some("1"), &two, "t", 2).unwrap();
+        assert_eq!(state.serving("digits", &available(&["2", "3"])), Some("3"));
+    }
+
+    #[test]
+    fn the_state_survives_a_save_and_a_torn_file_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(Deployments::load(dir.path()).unwrap(), Deployments::default());
+        let mut state = Deployments::default();
+        state.rollback("digits", &available(&["1", "2"]), "t", 5).unwrap();
+        state.save(dir.path()).unwrap();
+        assert_eq!(Deployments::load(dir.path()).unwrap(), state);
+        assert!(!dir.path().join(format!("{FILE_NAME}.new")).exists());
+        std::fs::write(dir.path().join(FILE_NAME), b"{\"models\": {\"dig").unwrap();
+        let err = Deployments::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(FILE_NAME) && err.contains("move it away"), "{err}");
+    }
+}

@@ -1,0 +1,201 @@
+//! Which version serves: `models status|promote|rollback` against the real
+//! binary, under load, across kill -9, and with no node running.
+
+use super::support::{Client, copy_digits_version, embedded_node_with_http, get_json, scrape};
+use crate::{digits_request, heldout};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// `edgeinfer models ARGS` on `models` and `state`, its stdout as JSON when
+/// it succeeds; its stderr otherwise.
+fn models_command(models: &Path, state: &Path, args: &[&str]) -> Result<Value, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+        .arg("--models-dir")
+        .arg(models)
+        .arg("models")
+        .args(args)
+        .arg("--json")
+        .env_remove("EDGEINFER_CONFIG")
+        .env("EDGEINFER_NODE__STATE_DIR", state)
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}")))
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn row(i: usize) -> Vec<u8> {
+    let split = heldout();
+    digits_request(&i.to_string(), &[split[i % split.len()].1.clone()]).to_string().into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kill_9_and_offline() {
+    let models = tempfile::tempdir().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    copy_digits_version(models.path(), "1", false);
+    copy_digits_version(models.path(), "2", false);
+    let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
+    let env = [("EDGEINFER_NODE__MODELS_DIR", m.as_str()), ("EDGEINFER_NODE__STATE_DIR", s.as_str())];
+    let start = |env: [(&'static str, String); 2]| async move {
+        tokio::task::spawn_blocking(move || {
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            embedded_node_with_http("gw-ro", &env)
+        })
+        .await
+        .unwrap()
+    };
+    let owned = env.map(|(k, v)| (k, v.to_string()));
+    let (mut node, mqtt, http) = start(owned.clone()).await;
+    let url = format!("http://127.0.0.1:{http}");
+    let ask = {
+        let (models, state, url) = (models.path().to_path_buf(), state.path().to_path_buf(), url.clone());
+        move |args: Vec<&'static str>| {
+            let (models, state, url) = (models.clone(), state.clone(), url.clone());
+            tokio::task::spawn_blocking(move || {
+                let mut all = args.clone();
+                all.extend(["--url", url.as_str()]);
+                models_command(&models, &state, &all)
+            })
+        }
+    };
+    let status = ask(vec!["status", "digits"]).await.unwrap().unwrap();
+    assert_eq!((status[0]["serving"].as_str(), status[0]["previous"].as_str()), (Some("2"), Some("1")));
+    assert!(status[0]["stable"].is_null(), "no state yet: the newest serves: {status}");
+
+    // Steady load; a rollback in the middle of it.
+    let mut device = Client::connect(mqtt, "dev-ro", &["ro/replies"]).await;
+    let mut replies: HashMap<usize, Vec<Value>> = HashMap::new();
+    let mut sent_at = Vec::new();
+    let started = Instant::now();
+    let mut rollback = None;
+    let mut rolled_back_at = None;
+    let mut i = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        device.request("edgeinfer/gw-ro/infer/digits", row(i), "ro/replies", b"", None).await;
+        sent_at.push(Instant::now());
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        if started.elapsed() > Duration::from_secs(1) && rollback.is_none() && rolled_back_at.is_none() {
+            rollback = Some(ask(vec!["rollback", "digits"]));
+        }
+        if let Some(task) = rollback.take_if(|t| t.is_finished()) {
+            let decision = task.await.unwrap().unwrap();
+            let what = (decision["action"].as_str(), decision["version"].as_str());
+            assert_eq!(what, (Some("rolled_back"), Some("1")));
+            rolled_back_at = Some(Instant::now());
+        }
+        while let Ok(p) = device.inbox.try_recv() {
+            let reply: Value = serde_json::from_slice(&p.payload).unwrap();
+            replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
+        }
+    }
+    let rolled_back_at = rolled_back_at.expect("the rollback answered within 2 s");
+    let sent = i;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while replies.values().map(Vec::len).sum::<usize>() < sent && Instant::now() < deadline {
+        if let Some(p) = device.next(Duration::from_secs(1)).await {
+            let reply: Value = serde_json::from_slice(&p.payload).unwrap();
+            replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
+        }
+    }
+    // A duplicate would come after the last first answer.
+    while let Some(p) = device.next(Duration::from_millis(300)).await {
+        let reply: Value = serde_json::from_slice(&p.payload).unwrap();
+        replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
+    }
+    let mut last_v2 = None;
+    for (id, sent_at) in sent_at.iter().enumerate() {
+        let answers = replies.get(&id).unwrap_or_else(|| panic!("request {id} of {sent} was not answered"));
+        assert_eq!(answers.len(), 1, "request {id} answered {} times", answers.len());
+        let reply = &answers[0];
+        assert!(reply.get("error").is_none(), "{reply}");
+        if reply["model_version"] == "2" {
+            last_v2 = Some(id);
+        }
+        // Sent after the command answered: the rolled-back-to version.
+        if *sent_at > rolled_back_at {
+            assert_eq!(reply["model_version"], "1", "request {id}, sent after the rollback: {reply}");
+        }
+    }
+    assert_eq!(replies[&0][0]["model_version"], "2");
+    let last_v2: usize = last_v2.unwrap();
+    eprintln!(
+        "{sent} requests answered once each; the last on v2 was sent {:?} before the rollback returned",
+        rolled_back_at.saturating_duration_since(sent_at[last_v2])
+    );
+    // The status says so, and the version label counts the answers.
+    let mut watcher = Client::connect(mqtt, "watch-ro", &["edgeinfer/gw-ro/status"]).await;
+    let (_, retained) = watcher.next_json().await;
+    let rollout = &retained["rollout"]["digits"];
+    assert_eq!((rollout["stable"].as_str(), rollout["previous"].as_str()), (Some("1"), None), "{retained}");
+    assert_eq!(rollout["last_decision"]["action"], "rolled_back", "{retained}");
+    let active: Vec<&Value> =
+        retained["models"].as_array().unwrap().iter().filter(|m| m["active"] == true).collect();
+    assert_eq!((active.len(), active[0]["version"].as_str()), (1, Some("1")), "{retained}");
+    let metrics = tokio::task::spawn_blocking(move || scrape(http)).await.unwrap();
+    assert!(metrics.contains("version=\"1\"") && metrics.contains("version=\"2\""));
+    let state_file: Value =
+        serde_json::from_slice(&std::fs::read(state.path().join("deployments.json")).unwrap()).unwrap();
+    assert_eq!(state_file["models"]["digits"]["stable"], "1");
+
+    // kill -9: the state holds; the new process serves version 1.
+    node.kill9();
+    drop(node);
+    let (node, _, http) = start(owned.clone()).await;
+    let reply = tokio::task::spawn_blocking(move || {
+        super::support::infer_digits(http, &digits_request("after-kill", &[heldout()[0].1.clone()]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply["model_version"], "1", "{reply}");
+    let url = format!("http://127.0.0.1:{http}");
+    let (models_path, state_path) = (models.path().to_path_buf(), state.path().to_path_buf());
+    let promoted = tokio::task::spawn_blocking(move || {
+        models_command(&models_path, &state_path, &["promote", "digits", "2", "--url", &url])
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!((promoted["version"].as_str(), promoted["from"].as_str()), (Some("2"), Some("1")));
+    let reply = tokio::task::spawn_blocking(move || {
+        super::support::infer_digits(http, &digits_request("promoted", &[heldout()[0].1.clone()]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply["model_version"], "2", "{reply}");
+    let (code, wrong) = tokio::task::spawn_blocking(move || {
+        super::support::http(http, "POST", "/models/promote?model=digits&version=9", b"", "text/plain")
+    })
+    .await
+    .unwrap();
+    let wrong: Value = serde_json::from_slice(&wrong).unwrap();
+    let why = wrong["error"].as_str().unwrap_or_default();
+    assert!(code == 404 && why.contains("\"9\"") && why.contains("1, 2"), "{code} {wrong}");
+    let metadata = tokio::task::spawn_blocking(move || get_json(http, "/models/status")).await.unwrap().1;
+    assert_eq!(metadata[0]["history"].as_array().map(Vec::len), Some(2), "{metadata}");
+    drop(node);
+
+    // No node: the command works on the state itself, which the next node reads.
+    let offline = models_command(models.path(), state.path(), &["rollback", "digits"]).unwrap();
+    assert_eq!(offline["version"], "1");
+    assert!(offline["by"].as_str().unwrap().contains("no node"), "{offline}");
+    let listed = models_command(models.path(), state.path(), &["status"]).unwrap();
+    assert_eq!((listed[0]["serving"].as_str(), listed[0]["stable"].as_str()), (Some("1"), Some("1")));
+    let refused = models_command(models.path(), state.path(), &["rollback", "digits"]).unwrap_err();
+    assert!(refused.contains("nothing to roll back") && refused.contains("v1"), "{refused}");
+    // A new version dropped in waits for a promote: the stable serves on.
+    copy_digits_version(models.path(), "3", false);
+    let (_node, _, http) = start(owned).await;
+    let reply = tokio::task::spawn_blocking(move || {
+        super::support::infer_digits(http, &digits_request("offline", &[heldout()[0].1.clone()]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply["model_version"], "1", "{reply}");
+}
