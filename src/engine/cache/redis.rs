@@ -3,15 +3,16 @@
 //!
 //! A lookup waits at most `cache.redis.timeout_ms`, then counts a miss and
 //! the model runs: a slow or dead Redis costs misses, never a stall. After
-//! `TRIPS` failed lookups in a row the layer stands aside for `REST`
-//! (lookups are misses at once), then one lookup tries again and one more
-//! failure rests it again; the connection manager reconnects on its own,
-//! with backoff. Only lookups decide whether the layer is up: a Redis that
-//! refuses writes (full, under `noeviction`) still serves what it holds.
-//! Stores go to a writer task over a bounded channel, off the request path;
-//! every key gets an expiry. Values are the disk layer's checksummed
-//! records under a key that carries a format version, so a torn or foreign
-//! value is a miss, counted, never served.
+//! `TRIPS` failed lookups in a row the layer rests (lookups are misses at
+//! once) and its connection is renewed; the rest doubles from `REST` up to
+//! `MAX_REST` while Redis stays away. When a rest ends one lookup probes,
+//! the others still miss at once; one answer ends the rests. Only lookups
+//! decide whether the layer is up: a Redis that refuses writes (full,
+//! under `noeviction`) still serves what it holds. Stores go to a writer
+//! task over a bounded channel, off the request path; every key gets an
+//! expiry. Values are the disk layer's checksummed records under a key
+//! that carries a format version, so a torn or foreign value is a miss,
+//! counted, never served.
 
 use super::key::Key;
 use super::record::Record;
@@ -19,16 +20,20 @@ use crate::telemetry::{self, RedisState};
 use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::{TcpSettings, socket2};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// The key format: bump it when `Key` or `Record` change meaning.
 const FORMAT: &str = "v1";
-/// Failed lookups in a row after which the layer stands aside, and for how long.
+/// Failed lookups in a row after which the layer rests, and for how long:
+/// `REST`, doubling while Redis stays away, up to `MAX_REST`.
 const TRIPS: u32 = 3;
 const REST: Duration = Duration::from_secs(1);
+const MAX_REST: Duration = Duration::from_secs(5);
 /// Stores waiting for the writer; beyond it they are dropped and counted.
 const QUEUE: usize = 1024;
 
@@ -57,18 +62,26 @@ pub enum RedisError {
 /// Whether the layer answers lookups, shared by the lookups (which
 /// decide it), the writer and the status.
 struct Health {
-    up: AtomicBool,
-    /// Failed lookups since the last answer; at `TRIPS` and beyond each
-    /// failure rests the layer.
+    /// Failed lookups since the last answer.
     failures: AtomicU32,
-    /// Lookups are misses at once until then: milliseconds since `born`
-    /// (monotonic, so a clock step cannot stretch or skip a rest).
+    /// Rests since the last answer: each one twice as long as the one before.
+    rests: AtomicU32,
+    /// 0 while the layer is up. Else, in milliseconds since `born`
+    /// (monotonic), when the rest ends; a lookup after that claims the one
+    /// probe by moving it on by `probe_ms`.
     resting_until_ms: AtomicU64,
+    probe_ms: u64,
     born: Instant,
+    /// What the status shows, changed together with the gauge.
+    view: Mutex<View>,
+}
+
+struct View {
+    up: bool,
     /// Why lookups fail, while they do.
-    lookup_error: Mutex<Option<String>>,
+    lookup_error: Option<String>,
     /// Why Redis refuses writes while it answers lookups (a full Redis).
-    write_error: Mutex<Option<String>>,
+    write_error: Option<String>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -76,45 +89,83 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Health {
-    fn new() -> Health {
+    fn new(timeout: Duration) -> Health {
         Health {
-            up: AtomicBool::new(false),
             failures: AtomicU32::new(0),
+            rests: AtomicU32::new(0),
             resting_until_ms: AtomicU64::new(0),
+            probe_ms: timeout.as_millis() as u64 + 50,
             born: Instant::now(),
-            lookup_error: Mutex::new(Some("not connected yet".into())),
-            write_error: Mutex::new(None),
+            view: Mutex::new(View {
+                up: false,
+                lookup_error: Some("not connected yet".into()),
+                write_error: None,
+            }),
         }
     }
 
     fn now_ms(&self) -> u64 {
-        self.born.elapsed().as_millis() as u64
+        // Never 0, which means "not resting".
+        self.born.elapsed().as_millis() as u64 + 1
     }
 
     fn answered(&self) {
         self.failures.store(0, Ordering::Relaxed);
-        if !self.up.swap(true, Ordering::Relaxed) {
+        self.rests.store(0, Ordering::Relaxed);
+        self.resting_until_ms.store(0, Ordering::Relaxed);
+        let mut view = locked(&self.view);
+        if !view.up {
             tracing::info!("cache: Redis layer up");
-            *locked(&self.lookup_error) = None;
+            view.up = true;
+            view.lookup_error = None;
         }
-        // Set every time: a failure racing this one cannot leave it at 0.
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(1.0);
     }
 
-    fn lookup_failed(&self, reason: &'static str, error: String) {
+    /// Counts a failed lookup; true when it starts a rest (the caller
+    /// renews the connection).
+    fn lookup_failed(&self, reason: &'static str, error: String) -> bool {
         metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => reason).increment(1);
-        if self.failures.fetch_add(1, Ordering::Relaxed) + 1 >= TRIPS {
-            self.resting_until_ms.store(self.now_ms() + REST.as_millis() as u64, Ordering::Relaxed);
+        let rests = self.failures.fetch_add(1, Ordering::Relaxed) + 1 >= TRIPS;
+        if rests {
+            let n = self.rests.fetch_add(1, Ordering::Relaxed).min(8);
+            let rest = REST.saturating_mul(1 << n).min(MAX_REST);
+            self.resting_until_ms.store(self.now_ms() + rest.as_millis() as u64, Ordering::Relaxed);
         }
-        if self.up.swap(false, Ordering::Relaxed) {
+        let mut view = locked(&self.view);
+        if view.up {
             tracing::warn!("cache: Redis layer down ({error}); lookups are misses until it answers");
+            view.up = false;
         }
+        view.lookup_error = Some(error);
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(0.0);
-        *locked(&self.lookup_error) = Some(error);
+        rests
+    }
+
+    /// Whether this lookup may go to Redis: always while the layer is up;
+    /// while it rests, never; after a rest, only the one lookup that claims
+    /// the probe.
+    fn may_look_up(&self) -> bool {
+        let until = self.resting_until_ms.load(Ordering::Relaxed);
+        if until == 0 {
+            return true;
+        }
+        let now = self.now_ms();
+        now >= until
+            && self
+                .resting_until_ms
+                .compare_exchange(until, now + self.probe_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Rested and not yet answering again: the writer does not try.
+    fn resting(&self) -> bool {
+        self.resting_until_ms.load(Ordering::Relaxed) != 0
     }
 
     fn wrote(&self) {
-        if locked(&self.write_error).take().is_some() {
+        let mut view = locked(&self.view);
+        if view.write_error.take().is_some() {
             tracing::info!("cache: Redis takes answers again");
         }
     }
@@ -124,21 +175,39 @@ impl Health {
     fn write_failed(&self, error: redis::RedisError) {
         let reason = if error.code() == Some("OOM") { "full" } else { "error" };
         metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => reason).increment(1);
-        let mut last = locked(&self.write_error);
-        if last.is_none() {
+        let mut view = locked(&self.view);
+        if view.write_error.is_none() {
             tracing::warn!("cache: Redis refuses answers ({error}); they stay on this node");
         }
-        *last = Some(format!("writes refused: {error}"));
-    }
-
-    fn resting(&self) -> bool {
-        self.now_ms() < self.resting_until_ms.load(Ordering::Relaxed)
+        view.write_error = Some(format!("writes refused: {error}"));
     }
 
     fn state(&self) -> RedisState {
-        let up = self.up.load(Ordering::Relaxed);
-        let error = if up { locked(&self.write_error).clone() } else { locked(&self.lookup_error).clone() };
-        RedisState { up, error }
+        let view = locked(&self.view);
+        let error = if view.up { view.write_error.clone() } else { view.lookup_error.clone() };
+        RedisState { up: view.up, error }
+    }
+}
+
+/// The connection, renewed whole when the layer starts a rest: the
+/// connection manager reconnects by itself only after an I/O error, not
+/// after a refused AUTH (a password fixed later) or a hung socket.
+struct Link {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    current: RwLock<ConnectionManager>,
+}
+
+impl Link {
+    fn connection(&self) -> ConnectionManager {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn renew(&self) {
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => *self.current.write().unwrap_or_else(|e| e.into_inner()) = fresh,
+            Err(e) => tracing::warn!("cache: Redis connection not renewed: {e}"),
+        }
     }
 }
 
@@ -149,7 +218,7 @@ struct Store {
 }
 
 pub struct Redis {
-    connection: ConnectionManager,
+    link: Arc<Link>,
     prefix: String,
     ttl: Option<Duration>,
     timeout: Duration,
@@ -178,16 +247,25 @@ impl Redis {
         };
         // No Nagle: a lookup is one small write that waits for its answer.
         // Keepalive: a Redis host that vanishes is noticed by the writer too.
+        // User timeout: data unacknowledged for 5 s (a host gone mid-lookup)
+        // ends the connection.
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(Duration::from_secs(30))
             .with_interval(Duration::from_secs(10));
-        let info = info.set_tcp_settings(TcpSettings::default().set_nodelay(true).set_keepalive(keepalive));
+        let tcp = TcpSettings::default()
+            .set_nodelay(true)
+            .set_keepalive(keepalive)
+            .set_user_timeout(Duration::from_secs(5));
+        let info = info.set_tcp_settings(tcp);
         let client = match &options.ca_file {
             Some(path) => {
-                let pem = std::fs::read(path).map_err(|e| RedisError::Ca {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?;
+                let ca_error = |reason: String| RedisError::Ca { path: path.display().to_string(), reason };
+                let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
+                // An empty root store would fail every handshake far from here.
+                let certificates = CertificateDer::pem_slice_iter(&pem).filter(Result::is_ok).count();
+                if certificates == 0 {
+                    return Err(ca_error("no PEM certificate in it".into()));
+                }
                 let certificates = redis::TlsCertificates { client_tls: None, root_cert: Some(pem) };
                 redis::Client::build_with_tls(info, certificates)
                     .map_err(|e| RedisError::Ca { path: path.display().to_string(), reason: e.to_string() })?
@@ -202,13 +280,15 @@ impl Redis {
             .set_number_of_retries(0)
             .set_min_delay(Duration::from_millis(100))
             .set_max_delay(Duration::from_secs(5));
-        let connection = ConnectionManager::new_lazy_with_config(client, config).map_err(url_error)?;
-        let health = Arc::new(Health::new());
+        let connection =
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).map_err(url_error)?;
+        let link = Arc::new(Link { client, config, current: RwLock::new(connection) });
+        let health = Arc::new(Health::new(options.timeout));
         metrics::gauge!(telemetry::CACHE_REDIS_UP).set(0.0);
         let (stores, queued) = mpsc::channel(QUEUE);
-        tokio::spawn(write(connection.clone(), health.clone(), queued));
+        tokio::spawn(write(link.clone(), health.clone(), queued));
         let redis = Redis {
-            connection,
+            link,
             prefix: options.key_prefix,
             ttl: options.ttl,
             timeout: options.timeout,
@@ -216,12 +296,14 @@ impl Redis {
             stores,
         };
         // Connect now, so the status says at once whether the layer is up.
-        let mut probe = redis.connection.clone();
+        let mut probe = redis.link.connection();
         let health = redis.health.clone();
         tokio::spawn(async move {
             match redis::cmd("PING").query_async::<String>(&mut probe).await {
                 Ok(_) => health.answered(),
-                Err(e) => health.lookup_failed("error", e.to_string()),
+                Err(e) => {
+                    health.lookup_failed("error", e.to_string());
+                }
             }
         });
         Ok(redis)
@@ -234,12 +316,17 @@ impl Redis {
     /// The record under `key`, if Redis answers in time with one whose
     /// checksum holds.
     pub async fn get(&self, model: &str, key: &Key) -> Option<Record> {
-        if self.health.resting() {
+        if !self.health.may_look_up() {
             return None;
         }
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         let name = self.key(model, key);
         let got = tokio::time::timeout(self.timeout, connection.get::<_, Option<Vec<u8>>>(&name)).await;
+        let failed = |reason, error| {
+            if self.health.lookup_failed(reason, error) {
+                self.link.renew();
+            }
+        };
         match got {
             Ok(Ok(value)) => {
                 self.health.answered();
@@ -251,12 +338,11 @@ impl Redis {
                 record
             }
             Ok(Err(e)) => {
-                self.health.lookup_failed("error", e.to_string());
+                failed("error", e.to_string());
                 None
             }
             Err(_) => {
-                self.health
-                    .lookup_failed("timeout", format!("no answer within {} ms", self.timeout.as_millis()));
+                failed("timeout", format!("no answer within {} ms", self.timeout.as_millis()));
                 None
             }
         }
@@ -283,7 +369,7 @@ impl Redis {
             Some(m) => format!("{}:{FORMAT}:{m}:*", self.prefix),
             None => format!("{}:{FORMAT}:*", self.prefix),
         };
-        let mut connection = self.connection.clone();
+        let mut connection = self.link.connection();
         let (mut cursor, mut removed) = (0u64, 0u64);
         loop {
             let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
@@ -312,13 +398,13 @@ impl Redis {
 
 /// The writer task: each queued answer with its expiry, while Redis takes
 /// them; while it rests, what comes is dropped (the answer is local anyway).
-async fn write(mut connection: ConnectionManager, health: Arc<Health>, mut queued: mpsc::Receiver<Store>) {
+async fn write(link: Arc<Link>, health: Arc<Health>, mut queued: mpsc::Receiver<Store>) {
     while let Some(Store { key, value, ttl_s }) = queued.recv().await {
         if health.resting() {
             metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => "skipped").increment(1);
             continue;
         }
-        match connection.set_ex::<_, _, ()>(&key, value, ttl_s).await {
+        match link.connection().set_ex::<_, _, ()>(&key, value, ttl_s).await {
             Ok(()) => health.wrote(),
             Err(e) => health.write_failed(e),
         }
