@@ -27,6 +27,7 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub cache: CacheConfig,
     pub capture: CaptureConfig,
+    pub control: ControlConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -304,6 +305,17 @@ pub struct CaptureConfig {
     /// The file holds at most this many records and bytes; then capture stops.
     pub max_records: u64,
     pub max_bytes: u64,
+}
+
+/// `[control]`: the rollout commands over MQTT on `PREFIX/NODE/control`,
+/// for fleet managers without HTTP. Off by default; on, only with the
+/// token in `token_file`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlConfig {
+    pub enabled: bool,
+    /// A file whose first line is the token every command must carry.
+    pub token_file: Option<PathBuf>,
 }
 
 impl Default for CaptureConfig {
@@ -765,6 +777,16 @@ impl Config {
                     .into(),
             );
         }
+        if redis.url.contains('#') {
+            return bad(
+                "cache.redis.url",
+                format!(
+                    "{:?}: no #fragment (#insecure would skip the server's certificate check); \
+                     for a site CA use cache.redis.ca_file",
+                    redis.url
+                ),
+            );
+        }
         if redis.enabled && redis.ca_file.is_some() && !redis.url.starts_with("rediss://") {
             return bad(
                 "cache.redis.ca_file",
@@ -790,6 +812,14 @@ impl Config {
             return bad(
                 "cache.redis.ttl_s",
                 "0: use at least 1 second, or leave it out for the cache TTL".into(),
+            );
+        }
+        if self.control.enabled && self.control.token_file.is_none() {
+            return bad(
+                "control.enabled",
+                "true without control.token_file: set control.token_file to a file holding the token \
+                 commands must carry, or leave control off"
+                    .into(),
             );
         }
         let capture = &self.capture;
@@ -1000,6 +1030,11 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("cache.redis.ca_file") && err.contains("rediss://"), "{err}");
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_CONTROL__ENABLED", "true")])).unwrap_err();
+        assert!(err.to_string().contains("control.token_file"), "{err}");
+        let insecure = [("EDGEINFER_CACHE__REDIS__URL", "rediss://10.0.0.2:6380/#insecure")];
+        let err = Config::load_with_env(None, env(&insecure)).unwrap_err().to_string();
+        assert!(err.contains("cache.redis.url") && err.contains("ca_file"), "{err}");
     }
 
     #[test]

@@ -111,8 +111,7 @@ impl Node {
         }
         // A state that cannot be read stops the start: serving the newest
         // version instead could bring back one that was rolled back.
-        let rollout = Rollout::start(config.node.state_dir.clone())?;
-        let rollout_changed = rollout.changed();
+        let (rollout, decisions) = Rollout::start(config.node.state_dir.clone())?;
         let engine = Arc::new(engine.with_rollout(rollout));
         if metrics.is_some() {
             tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
@@ -124,16 +123,12 @@ impl Node {
         tracing::info!("node {}: serving {} over {}", config.node.id, serving(&engine), config.mqtt.url);
         let status = Status::new(&config.node.id, &engine.registry(), unix_now());
         let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
-        let service = service.with_follow_ups(follow_ups_rx);
+        let mut service = service.with_follow_ups(follow_ups_rx).with_events(decisions);
+        if let (true, Some(path)) = (config.control.enabled, &config.control.token_file) {
+            service = service.with_control(http::Token::read("control.token_file", path)?);
+            tracing::info!("control topic on: rollout commands with the token in control.token_file");
+        }
         let (heartbeat, refresh_status) = (service.heartbeat(), service.status_refresher());
-        // A rollout decision shows in the retained status at once.
-        let refresh = refresh_status.clone();
-        tokio::spawn(async move {
-            loop {
-                rollout_changed.notified().await;
-                refresh.notify_one();
-            }
-        });
         let (stop, _) = watch::channel(false);
         let mut http_server = None;
         if !config.http.listen.is_empty() {

@@ -11,7 +11,7 @@ pub use state::{Action, Available, Decision, Deployment, Deployments, ModelRepor
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 type Answer = oneshot::Sender<Result<Decision, RolloutError>>;
 
@@ -24,14 +24,16 @@ enum Command {
 pub struct Rollout {
     commands: mpsc::Sender<Command>,
     current: Arc<RwLock<Arc<Deployments>>>,
-    /// Notified after each decision takes effect (the node republishes
-    /// its status).
-    changed: Arc<Notify>,
 }
 
+/// Decisions waiting for the MQTT service to publish them on the events
+/// topic; beyond it (a broker away for long) they are logged only.
+const EVENTS: usize = 64;
+
 impl Rollout {
-    /// Reads the state in `state_dir` and starts the thread that owns it.
-    pub fn start(state_dir: PathBuf) -> Result<Rollout, RolloutError> {
+    /// Reads the state in `state_dir` and starts the thread that owns it;
+    /// each decision taken from then on comes out of the receiver, once.
+    pub fn start(state_dir: PathBuf) -> Result<(Rollout, mpsc::Receiver<Decision>), RolloutError> {
         let state = Deployments::load(&state_dir)?;
         // Held for the process's life; commands run without a node check it.
         let held = state::lock(&state_dir)?;
@@ -44,20 +46,16 @@ impl Rollout {
         }
         let current = Arc::new(RwLock::new(Arc::new(state.clone())));
         let (commands, inbox) = mpsc::channel(16);
-        let changed = Arc::new(Notify::new());
-        let (published, notify) = (current.clone(), changed.clone());
+        let (events, decisions) = mpsc::channel(EVENTS);
+        let published = current.clone();
         std::thread::Builder::new()
             .name("rollout".into())
             .spawn(move || {
                 let _held = held;
-                own(state_dir, state, published, notify, inbox)
+                own(state_dir, state, published, events, inbox)
             })
             .map_err(|e| RolloutError::State { path: PathBuf::from("(thread)"), reason: e.to_string() })?;
-        Ok(Rollout { commands, current, changed })
-    }
-
-    pub fn changed(&self) -> Arc<Notify> {
-        self.changed.clone()
+        Ok((Rollout { commands, current }, decisions))
     }
 
     /// The state in service now.
@@ -104,7 +102,7 @@ fn own(
     state_dir: PathBuf,
     mut state: Deployments,
     published: Arc<RwLock<Arc<Deployments>>>,
-    changed: Arc<Notify>,
+    events: mpsc::Sender<Decision>,
     mut inbox: mpsc::Receiver<Command>,
 ) {
     while let Some(command) = inbox.blocking_recv() {
@@ -135,7 +133,11 @@ fn own(
             );
             state = next;
             *published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(state.clone());
-            changed.notify_one();
+            if events.try_send(d.clone()).is_err() {
+                tracing::warn!(
+                    "rollout: the events topic lags; this decision is in the log and the status only"
+                );
+            }
         }
         let _ = reply.send(outcome);
     }

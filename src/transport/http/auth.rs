@@ -22,16 +22,17 @@ pub enum AccessError {
 }
 
 /// A token kept only as its SHA-256, so comparing takes the same time
-/// whatever the guess (and the token itself is not kept in memory).
+/// whatever the guess (and the token itself is not kept in memory). The
+/// MQTT control topic uses it too.
 #[derive(Clone, PartialEq)]
-struct Token([u8; 32]);
+pub struct Token([u8; 32]);
 
 impl Token {
-    fn of(text: &str) -> Token {
+    pub fn of(text: &str) -> Token {
         Token(Sha256::digest(text.as_bytes()).into())
     }
 
-    fn read(key: &'static str, path: &PathBuf) -> Result<Token, AccessError> {
+    pub fn read(key: &'static str, path: &PathBuf) -> Result<Token, AccessError> {
         let text = std::fs::read_to_string(path).map_err(|source| AccessError::Read {
             key,
             path: path.clone(),

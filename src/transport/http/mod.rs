@@ -5,7 +5,7 @@
 mod auth;
 mod server;
 
-pub use auth::{Access, AccessError};
+pub use auth::{Access, AccessError, Token};
 pub use server::{Listener, serve};
 
 use crate::engine::{Engine, Envelope};

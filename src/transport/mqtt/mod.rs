@@ -5,6 +5,7 @@
 //! dies mid-request leaves the request with the broker for redelivery.
 
 mod acks;
+mod control;
 mod options;
 mod outbox;
 mod topics;
@@ -15,7 +16,9 @@ pub use topics::{ReplyRefusal, Topics, valid_reply_topic};
 use crate::engine::{Engine, Envelope};
 use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, first_reply};
+use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
+use crate::transport::http::Token;
 use acks::{AckSlot, Acks, Finished, Seen};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::Outgoing;
@@ -46,6 +49,10 @@ pub struct MqttService {
     refresh: Arc<tokio::sync::Notify>,
     /// Replies after the first (async enrichment), from the cloud spool.
     follow_ups: Option<tokio::sync::mpsc::Receiver<FollowUp>>,
+    /// Rollout decisions, each published once on the events topic.
+    events: Option<tokio::sync::mpsc::Receiver<Decision>>,
+    /// With `control.enabled`: the token commands on the control topic carry.
+    control: Option<Token>,
 }
 
 impl MqttService {
@@ -86,6 +93,8 @@ impl MqttService {
                 heartbeat: Heartbeat::default(),
                 refresh: Default::default(),
                 follow_ups: None,
+                events: None,
+                control: None,
             },
             ready_rx,
         ))
@@ -94,6 +103,19 @@ impl MqttService {
     /// Publishes what arrives here to its reply route.
     pub fn with_follow_ups(mut self, rx: tokio::sync::mpsc::Receiver<FollowUp>) -> MqttService {
         self.follow_ups = Some(rx);
+        self
+    }
+
+    /// Publishes each decision that arrives here on `PREFIX/NODE/events`
+    /// and refreshes the retained status.
+    pub fn with_events(mut self, rx: tokio::sync::mpsc::Receiver<Decision>) -> MqttService {
+        self.events = Some(rx);
+        self
+    }
+
+    /// Takes rollout commands on `PREFIX/NODE/control` that carry `token`.
+    pub fn with_control(mut self, token: Token) -> MqttService {
+        self.control = Some(token);
         self
     }
 
@@ -115,6 +137,7 @@ impl MqttService {
     /// never end it: it reconnects with exponential backoff and jitter.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         let mut follow_ups = self.follow_ups.take();
+        let mut events = self.events.take();
         let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
         let mut conn = Connection { client, outbox: Outbox::default(), connected: false };
         let admission = Admission {
@@ -158,6 +181,14 @@ impl MqttService {
                     let publish =
                         Publish::new(follow_up.route.topic, QoS::AtLeastOnce, follow_up.payload, Some(props));
                     conn.outbox.publish(publish, Note::FollowUp(follow_up.delivery));
+                    continue;
+                }
+                // While the broker is away they wait in their channel.
+                Some(decision) = next_event(&mut events), if conn.connected => {
+                    self.publish_event(&mut conn, &decision);
+                    if *self.ready_tx.borrow() {
+                        self.publish_status(&mut conn, State::Online);
+                    }
                     continue;
                 }
                 _ = self.refresh.notified() => {
@@ -212,6 +243,23 @@ impl MqttService {
                     }
                     // Running or answered: its acknowledgement is to come.
                     Some(_) => {}
+                    None if self.control.is_some() && publish.topic == self.topics.control().as_bytes() => {
+                        let slot = acks.arrived(&publish);
+                        // Bounded like requests; one over the bound is dropped.
+                        let Ok(admitted) = admission.admit(publish.payload.len()) else {
+                            slot.send(None);
+                            continue;
+                        };
+                        let task = control::ControlTask {
+                            engine: self.engine.clone(),
+                            topics: self.topics.clone(),
+                            token: self.control.clone().expect("checked above"),
+                        };
+                        tasks.spawn(async move {
+                            slot.send(task.handle(&publish).await);
+                            drop(admitted);
+                        });
+                    }
                     None => {
                         let admitted = admission.admit(publish.payload.len());
                         let slot = acks.arrived(&publish);
@@ -308,6 +356,15 @@ impl MqttService {
         );
     }
 
+    /// A rollout decision on the events topic: QoS 1, not retained.
+    fn publish_event(&self, conn: &mut Connection, decision: &Decision) {
+        let mut event = serde_json::to_value(decision).expect("a decision is plain data");
+        event["node"] = self.status.node.clone().into();
+        let payload = event.to_string();
+        let publish = Publish::new(self.topics.events(), QoS::AtLeastOnce, payload, None);
+        conn.outbox.publish(publish, Note::Event);
+    }
+
     /// The retained status, through the outbox.
     fn publish_status(&self, conn: &mut Connection, state: State) {
         let status = self.status.snapshot(state, self.engine.live());
@@ -334,10 +391,15 @@ impl MqttService {
         }
     }
 
-    /// Both filters in one SUBSCRIBE, so one SUBACK confirms them.
+    /// Every filter in one SUBSCRIBE, so one SUBACK confirms them; the
+    /// control topic only with `control.enabled`.
     fn subscribe(&self, client: &AsyncClient) {
-        let filters = [self.topics.node_requests(), self.topics.shared_requests()]
-            .map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
+        let mut topics = vec![self.topics.node_requests(), self.topics.shared_requests()];
+        if self.control.is_some() {
+            topics.push(self.topics.control());
+        }
+        let filters =
+            topics.into_iter().map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
         if let Err(e) = client.try_subscribe_many(filters) {
             tracing::error!("subscribing to the request topics: {e}");
         }
@@ -381,6 +443,14 @@ impl Connection {
         for request in released {
             self.outbox.ack(request);
         }
+    }
+}
+
+/// The next rollout decision, or never without a rollout.
+async fn next_event(rx: &mut Option<tokio::sync::mpsc::Receiver<Decision>>) -> Option<Decision> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

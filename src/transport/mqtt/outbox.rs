@@ -29,9 +29,14 @@ pub struct Reply {
 /// What a publish is: who waits to hear the broker has it, and what the
 /// log calls it.
 pub enum Note {
-    Reply { id: String },
+    Reply {
+        id: String,
+    },
     FollowUp(Delivery),
+    /// The retained status: a newer one replaces one still queued.
     Status,
+    /// A rollout decision on the events topic: each one goes out.
+    Event,
 }
 
 enum Item {
@@ -223,6 +228,7 @@ fn refused(note: Note, reason: &'static str, why: &str) {
             delivery.confirm();
         }
         Note::Status => tracing::warn!("the status message was not delivered: {why}"),
+        Note::Event => tracing::warn!("a rollout event was not delivered: {why}"),
     }
 }
 

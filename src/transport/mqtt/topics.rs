@@ -75,6 +75,16 @@ impl Topics {
         format!("$share/{}/{}/infer/+", self.group, self.prefix)
     }
 
+    /// One message per rollout decision.
+    pub fn events(&self) -> String {
+        format!("{}/{}/events", self.prefix, self.node)
+    }
+
+    /// Rollout commands, when `control.enabled`.
+    pub fn control(&self) -> String {
+        format!("{}/{}/control", self.prefix, self.node)
+    }
+
     pub fn status(&self) -> String {
         format!("{}/{}/status", self.prefix, self.node)
     }

@@ -69,6 +69,7 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     assert!(status[0]["stable"].is_null(), "no state yet: the newest serves: {status}");
 
     // Steady load; a rollback in the middle of it.
+    let mut events = Client::connect(mqtt, "events-ro", &["edgeinfer/gw-ro/events"]).await;
     let mut device = Client::connect(mqtt, "dev-ro", &["ro/replies"]).await;
     let mut replies: HashMap<usize, Vec<Value>> = HashMap::new();
     let mut sent_at = Vec::new();
@@ -129,6 +130,13 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
         "{sent} requests answered once each; the last on v2 was sent {:?} before the rollback returned",
         rolled_back_at.saturating_duration_since(sent_at[last_v2])
     );
+    // One event for the decision, on the events topic.
+    let (_, event) = events.next_json().await;
+    let what = (event["action"].as_str(), event["from"].as_str(), event["version"].as_str());
+    assert_eq!(what, (Some("rolled_back"), Some("2"), Some("1")), "{event}");
+    assert_eq!((event["node"].as_str(), event["model"].as_str()), (Some("gw-ro"), Some("digits")));
+    assert!(events.next(Duration::from_millis(500)).await.is_none(), "one event per decision");
+    drop(events);
     // The status says so, and the version label counts the answers.
     let mut watcher = Client::connect(mqtt, "watch-ro", &["edgeinfer/gw-ro/status"]).await;
     let (_, retained) = watcher.next_json().await;
@@ -198,4 +206,56 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     .await
     .unwrap();
     assert_eq!(reply["model_version"], "1", "{reply}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_topic_takes_commands_with_the_token_only_and_is_absent_when_off() {
+    let models = tempfile::tempdir().unwrap();
+    copy_digits_version(models.path(), "1", false);
+    copy_digits_version(models.path(), "2", false);
+    let token_file = models.path().join("control-token");
+    std::fs::write(&token_file, "fleet-Secret-7\n").unwrap();
+    let m = models.path().display().to_string();
+    let t = token_file.display().to_string();
+    let (_on, mqtt_on, _) = tokio::task::spawn_blocking(move || {
+        embedded_node_with_http(
+            "gw-ctl",
+            &[
+                ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
+                ("EDGEINFER_CONTROL__ENABLED", "true"),
+                ("EDGEINFER_CONTROL__TOKEN_FILE", t.as_str()),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let mut fleet = Client::connect(mqtt_on, "fleet-ctl", &["fleet/replies"]).await;
+    let mut ask = async |command: Value| {
+        let payload = command.to_string().into_bytes();
+        fleet.request("edgeinfer/gw-ctl/control", payload, "fleet/replies", b"c", None).await;
+        fleet.next_json().await.1
+    };
+    let refused = ask(serde_json::json!({"id": "c1", "command": "rollback", "model": "digits"})).await;
+    assert_eq!(refused["error"]["code"], "unauthorized", "{refused}");
+    let wrong = serde_json::json!({"id": "c2", "token": "guess", "command": "rollback", "model": "digits"});
+    assert_eq!(ask(wrong).await["error"]["code"], "unauthorized");
+    let token = "fleet-Secret-7";
+    let status = ask(serde_json::json!({"id": "c3", "token": token, "command": "status"})).await;
+    assert_eq!(status["result"][0]["serving"], "2", "{status}");
+    let done =
+        ask(serde_json::json!({"id": "c4", "token": token, "command": "rollback", "model": "digits"})).await;
+    assert_eq!((done["id"].as_str(), done["result"]["version"].as_str()), (Some("c4"), Some("1")), "{done}");
+    assert_eq!(done["result"]["by"], "control topic");
+    let unknown = ask(serde_json::json!({"id": "c5", "token": token, "command": "promote", "model": "digits", "version": "9"})).await;
+    assert_eq!(unknown["error"]["code"], "unknown_model", "{unknown}");
+    let junk = ask(serde_json::json!({"id": "c6", "token": token, "command": "reboot"})).await;
+    assert!(junk["error"]["message"].as_str().unwrap().contains("status, promote or rollback"), "{junk}");
+
+    // Off (the default): nothing listens there.
+    let (_off, mqtt_off, _) =
+        tokio::task::spawn_blocking(|| embedded_node_with_http("gw-noctl", &[])).await.unwrap();
+    let mut fleet = Client::connect(mqtt_off, "fleet-noctl", &["fleet/replies"]).await;
+    let command = serde_json::json!({"id": "x", "token": token, "command": "status"}).to_string();
+    fleet.request("edgeinfer/gw-noctl/control", command.into_bytes(), "fleet/replies", b"c", None).await;
+    assert!(fleet.next(Duration::from_secs(1)).await.is_none(), "a node with control off answered");
 }

@@ -1,0 +1,112 @@
+//! `PREFIX/NODE/control` (`control.enabled`, off by default): the rollout
+//! commands for fleet managers without HTTP, request/response like
+//! inference. A command is JSON: `id`, `token` (the one in
+//! `control.token_file`), `command` (`status`, `promote`, `rollback`),
+//! `model` and, for promote, `version`; its reply (to the MQTT 5 Response
+//! Topic or the payload's `reply_to`) is `{"id", "result"}` or
+//! `{"id", "error": {"code", "message"}}`.
+
+use super::outbox::Reply;
+use super::topics::Topics;
+use crate::engine::Engine;
+use crate::transport::http::Token;
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+#[derive(Deserialize)]
+struct Command {
+    #[serde(default)]
+    id: String,
+    #[serde(default)]
+    token: String,
+    command: String,
+    model: Option<String>,
+    version: Option<String>,
+    reply_to: Option<String>,
+}
+
+pub struct ControlTask {
+    pub engine: Arc<Engine>,
+    pub topics: Topics,
+    pub token: Token,
+}
+
+impl ControlTask {
+    /// The reply to one command, or `None` when it names nowhere a reply
+    /// may go (dropped, like such a request).
+    pub async fn handle(self, publish: &Publish) -> Option<Reply> {
+        let props = publish.properties.clone().unwrap_or_default();
+        let parsed = serde_json::from_slice::<Command>(&publish.payload);
+        let reply_to = parsed.as_ref().ok().and_then(|c| c.reply_to.clone());
+        let destination = props.response_topic.clone().or(reply_to)?;
+        self.topics.check_reply(&destination).ok()?;
+        let (id, answer) = match parsed {
+            Err(e) => (
+                String::new(),
+                Err((
+                    "invalid_payload",
+                    format!("a control command is JSON with id, token, command, model, version: {e}"),
+                )),
+            ),
+            Ok(command) => {
+                let id = command.id.clone();
+                (id, self.run(command).await)
+            }
+        };
+        let body = match answer {
+            Ok(result) => json!({"id": id, "result": result}),
+            Err((code, message)) => {
+                tracing::warn!(id = %id, "control command refused: {message}");
+                json!({"id": id, "error": {"code": code, "message": message}})
+            }
+        };
+        let reply_props = PublishProperties {
+            correlation_data: props.correlation_data.clone(),
+            content_type: Some("application/json".into()),
+            ..Default::default()
+        };
+        let publish = Publish::new(destination, QoS::AtLeastOnce, body.to_string(), Some(reply_props));
+        Some(Reply { publish, id })
+    }
+
+    async fn run(&self, command: Command) -> Result<Value, (&'static str, String)> {
+        if Token::of(&command.token) != self.token {
+            return Err((
+                "unauthorized",
+                "missing or wrong token: send the one in control.token_file".into(),
+            ));
+        }
+        let Some(rollout) = self.engine.rollout() else {
+            return Err(("internal", "this process keeps no deployment state".into()));
+        };
+        let available = self.engine.registry().available();
+        let model =
+            || command.model.clone().ok_or(("invalid_payload", format!("{} needs model", command.command)));
+        let outcome = match command.command.as_str() {
+            "status" => rollout.current().report(&available, command.model.as_deref()).map(|r| json!(r)),
+            "promote" => rollout
+                .promote(&model()?, command.version.as_deref(), available, "control topic")
+                .await
+                .map(|d| json!(d)),
+            "rollback" => rollout.rollback(&model()?, available, "control topic").await.map(|d| json!(d)),
+            other => {
+                return Err((
+                    "invalid_payload",
+                    format!("command {other:?}: use status, promote or rollback"),
+                ));
+            }
+        };
+        outcome.map_err(|e| {
+            use crate::rollout::RolloutError as E;
+            let code = match e {
+                E::UnknownModel { .. } | E::UnknownVersion { .. } => "unknown_model",
+                E::NothingToRollBack { .. } | E::AlreadyStable { .. } => "conflict",
+                E::State { .. } | E::Stopped => "internal",
+            };
+            (code, e.to_string())
+        })
+    }
+}
