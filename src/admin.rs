@@ -124,7 +124,10 @@ pub async fn models_status(
         }
     }
     let (_lock, deployments, available) = open_state(config, base.as_deref(), no_node)?;
-    let report = deployments.report(&available, model)?;
+    let dir = &config.node.models_dir;
+    let fingerprints = crate::model::fingerprints_on_disk(dir)
+        .map_err(|e| AdminError::Models { path: dir.clone(), reason: e.to_string() })?;
+    let report = deployments.report(&available, &fingerprints, model)?;
     Ok((report, Source::State(config.node.state_dir.join(crate::rollout::state::FILE_NAME))))
 }
 

@@ -276,6 +276,7 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
     let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
     let (previous, registry) = (engine.registry(), Arc::new(registry));
     engine.reload(registry.clone(), EngineOptions::from_config(&config))?;
+    engine.set_config(&config);
     crate::telemetry::describe_models(Some(&previous), &registry);
     Ok((config, Reloaded { serving, refused, refused_summary }))
 }

@@ -113,6 +113,7 @@ impl Node {
         // version instead could bring back one that was rolled back.
         let (rollout, decisions) = Rollout::start(config.node.state_dir.clone())?;
         let engine = Arc::new(engine.with_rollout(rollout));
+        engine.set_config(&config);
         if metrics.is_some() {
             tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
         }

@@ -85,6 +85,8 @@ pub struct Engine {
     /// Why the last reload was refused, and the changed settings that wait
     /// for a restart, for the status.
     reload_outcome: Mutex<(Option<String>, Vec<&'static str>)>,
+    /// The sha256 of the config in service, for the deployment record.
+    config_sha256: Mutex<Option<String>>,
 }
 
 impl Engine {
@@ -108,6 +110,7 @@ impl Engine {
             rollout: None,
             stats: Stats::start(),
             reload_outcome: Default::default(),
+            config_sha256: Default::default(),
         })
     }
 
@@ -121,6 +124,14 @@ impl Engine {
     pub fn with_capture(mut self, capture: Capture) -> Engine {
         self.capture = Some(capture);
         self
+    }
+
+    /// Records the config in service (at start and after each reload) as
+    /// its hash: the effective values, secrets redacted.
+    pub fn set_config(&self, config: &crate::config::Config) {
+        use sha2::{Digest, Sha256};
+        let hash = hex::encode(Sha256::digest(format!("{config:?}").as_bytes()));
+        *self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()) = Some(hash);
     }
 
     /// Serves the versions the deployment state pins from now on.
@@ -390,6 +401,7 @@ impl Engine {
             registry: self.registry(),
             serving: self.serving().iter().map(|m| (m.name().to_string(), m.version().to_string())).collect(),
             deployments: self.deployments(),
+            config_sha256: self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             requests: self.request_counts(),
             cache: self.cache.health(),
             cloud: self.cloud_state().map(|s| s.as_str()),

@@ -17,5 +17,8 @@ pub use golden::{Golden, GoldenVector};
 pub use kernels::KernelReport;
 pub use manifest::{Manifest, Preprocess, Quantization, Task, TensorSpec};
 pub use profile::NodeTime;
-pub use registry::{Refused, Registry, Versions, valid_model_name, versions_on_disk};
+pub use registry::{
+    Fingerprint, Fingerprints, Refused, Registry, Versions, fingerprints_on_disk, valid_model_name,
+    versions_on_disk,
+};
 pub use runtime::{LoadedModel, RawOutput, RunError, RuntimeOptions};

@@ -138,6 +138,17 @@ impl Registry {
             .collect()
     }
 
+    /// The fingerprints of every loaded version.
+    pub fn fingerprints(&self) -> Fingerprints {
+        let mut all = Fingerprints::new();
+        for m in self.all() {
+            let print =
+                Fingerprint { sha256: m.manifest.sha256.clone(), manifest_sha256: m.manifest_sha256.clone() };
+            all.entry(m.name().to_string()).or_default().insert(m.version().to_string(), print);
+        }
+        all
+    }
+
     /// The version of each model that serves a request naming none: the
     /// one `stable` pins when it is loaded, else the newest.
     pub fn serving<'a>(
@@ -242,6 +253,34 @@ impl<T> Versions<T> {
             self.by_name.keys().cloned().collect::<Vec<_>>().join(", ")
         }
     }
+}
+
+/// What identifies a version's files: the model file's sha256 (from its
+/// manifest, checked at load) and the manifest's own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fingerprint {
+    pub sha256: String,
+    pub manifest_sha256: String,
+}
+
+/// By model, then version.
+pub type Fingerprints = BTreeMap<String, BTreeMap<String, Fingerprint>>;
+
+/// The fingerprints of every version directory, read from the manifests
+/// without loading the models (a manifest that does not parse is left out).
+pub fn fingerprints_on_disk(dir: &Path) -> Result<Fingerprints, LoadError> {
+    let mut all = Fingerprints::new();
+    for (name, versions) in versions_on_disk(dir)? {
+        for version in versions {
+            let version_dir = dir.join(&name).join(&version);
+            let Ok(manifest) = super::Manifest::read(&version_dir.join("model.toml")) else { continue };
+            let manifest_sha256 = super::runtime::manifest_sha256(&version_dir)?;
+            all.entry(name.clone())
+                .or_default()
+                .insert(version, Fingerprint { sha256: manifest.sha256, manifest_sha256 });
+        }
+    }
+    Ok(all)
 }
 
 /// Each model's version directories (those with a `model.toml`) in

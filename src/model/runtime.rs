@@ -56,6 +56,9 @@ pub struct LoadedModel {
     pub passes: Vec<super::passes::Applied>,
     /// Reading, hashing, parsing, planning and the golden check.
     pub load_time: Duration,
+    /// Hex sha256 of `model.toml` as loaded: the preprocessing, labels and
+    /// thresholds a version serves with, for the deployment record.
+    pub manifest_sha256: String,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -84,12 +87,20 @@ pub struct RunError {
     pub message: String,
 }
 
+/// Hex sha256 of `dir/model.toml`.
+pub fn manifest_sha256(dir: &Path) -> Result<String, LoadError> {
+    let path = dir.join("model.toml");
+    let bytes = std::fs::read(&path).map_err(|source| LoadError::Io { path, source })?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
 impl LoadedModel {
     /// Loads `dir/model.toml` and refuses the model when its file's sha256 or
     /// its golden vectors do not match.
     pub fn load(dir: &Path, options: &RuntimeOptions) -> Result<LoadedModel, LoadError> {
         let start = Instant::now();
         let manifest = Manifest::read(&dir.join("model.toml"))?;
+        let manifest_sha256 = manifest_sha256(dir)?;
         let tract_err = |e: TractError| LoadError::Tract {
             model: manifest.name.clone(),
             version: manifest.version.clone(),
@@ -135,6 +146,7 @@ impl LoadedModel {
             deferred: Mutex::new(None),
             passes,
             load_time: Duration::ZERO,
+            manifest_sha256,
         };
         for (size, plan) in plans {
             model.admit(size, plan, golden.as_ref())?;

@@ -7,7 +7,9 @@
 
 pub mod state;
 
-pub use state::{Action, Available, Decision, Deployment, Deployments, ModelReport, RolloutError};
+pub use state::{
+    Action, Available, Decision, Deployed, Deployment, Deployments, ModelReport, RolloutError, VersionRecord,
+};
 
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};

@@ -5,6 +5,7 @@
 //! any moment leaves the old state or the new, never a torn one. A node
 //! without the file serves as it always did: the newest version.
 
+use crate::model::Fingerprints;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -68,6 +69,29 @@ pub struct Deployment {
     pub previous: Vec<String>,
     /// Newest last, at most `HISTORY`.
     pub history: Vec<Decision>,
+    /// When each version last became stable, and by which command.
+    #[serde(default)]
+    pub deployed: BTreeMap<String, Deployed>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Deployed {
+    pub at_s: u64,
+    pub by: String,
+}
+
+/// One version in the deployment record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VersionRecord {
+    pub version: String,
+    /// The model file's sha256 and the manifest's (preprocessing, labels).
+    pub sha256: Option<String>,
+    pub manifest_sha256: Option<String>,
+    /// When it last became stable and by which command; absent for a
+    /// version that never did (or served only as the newest, before any
+    /// decision).
+    pub deployed_at_s: Option<u64>,
+    pub deployed_by: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -226,6 +250,8 @@ pub struct ModelReport {
     /// What `models rollback` returns to.
     pub previous: Option<String>,
     pub versions: Vec<String>,
+    /// Per version: its files' hashes and when it was deployed, by what.
+    pub records: Vec<VersionRecord>,
     pub history: Vec<Decision>,
 }
 
@@ -234,6 +260,7 @@ impl Deployments {
     pub fn report(
         &self,
         available: &Available,
+        fingerprints: &Fingerprints,
         model: Option<&str>,
     ) -> Result<Vec<ModelReport>, RolloutError> {
         if let Some(m) = model {
@@ -253,6 +280,20 @@ impl Deployments {
                         deployment.is_none().then(|| versions[at].clone())
                     }),
                     versions: versions.clone(),
+                    records: versions
+                        .iter()
+                        .map(|v| {
+                            let print = fingerprints.get(name).and_then(|f| f.get(v));
+                            let deployed = deployment.and_then(|d| d.deployed.get(v));
+                            VersionRecord {
+                                version: v.clone(),
+                                sha256: print.map(|p| p.sha256.clone()),
+                                manifest_sha256: print.map(|p| p.manifest_sha256.clone()),
+                                deployed_at_s: deployed.map(|d| d.at_s),
+                                deployed_by: deployed.map(|d| d.by.clone()),
+                            }
+                        })
+                        .collect(),
                     history: deployment.map(|d| d.history.clone()).unwrap_or_default(),
                 }
             })
@@ -286,6 +327,8 @@ fn versions_of<'a>(model: &str, available: &'a Available) -> Result<&'a Vec<Stri
 }
 
 fn record(deployment: &mut Deployment, decision: Decision) {
+    let deployed = Deployed { at_s: decision.at_s, by: decision.by.clone() };
+    deployment.deployed.insert(decision.version.clone(), deployed);
     deployment.history.push(decision);
     let excess = deployment.history.len().saturating_sub(HISTORY);
     deployment.history.drain(..excess);

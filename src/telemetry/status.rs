@@ -49,6 +49,21 @@ pub struct Status {
     /// decision (`edgeinfer models promote|rollback`).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub rollout: BTreeMap<String, RolloutStatus>,
+    /// What the node was built from, and the sha256 of its effective config
+    /// (secrets redacted): with the models' hashes, the deployment record.
+    pub build: Build,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_sha256: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Build {
+    pub git_sha: &'static str,
+    pub target: &'static str,
+}
+
+impl Build {
+    pub const THIS: Build = Build { git_sha: env!("BUILD_GIT_SHA"), target: env!("BUILD_TARGET") };
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -84,6 +99,7 @@ pub struct EngineSnapshot {
     /// The version of each model that answers a request naming none.
     pub serving: Vec<(String, String)>,
     pub deployments: Option<std::sync::Arc<Deployments>>,
+    pub config_sha256: Option<String>,
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
     pub cloud: Option<&'static str>,
@@ -122,6 +138,13 @@ pub struct ModelStatus {
     pub name: String,
     pub version: String,
     pub sha256: String,
+    /// Of `model.toml`: the preprocessing and labels it serves with.
+    pub manifest_sha256: String,
+    /// When a decision last made it stable, and by what.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deployed_at_s: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deployed_by: Option<String>,
     pub quantization: &'static str,
     pub active: bool,
 }
@@ -143,6 +166,8 @@ impl Status {
             peak_rss_bytes: None,
             models: models(registry, &newest(registry)),
             rollout: BTreeMap::new(),
+            build: Build::THIS,
+            config_sha256: None,
         }
     }
 
@@ -161,6 +186,13 @@ impl Status {
         s.uptime_s = unix_now().saturating_sub(self.started_at);
         s.models = models(&live.registry, &live.serving);
         s.rollout = rollout(live.deployments.as_deref());
+        for m in &mut s.models {
+            let deployed =
+                live.deployments.as_deref().and_then(|d| d.models.get(&m.name)?.deployed.get(&m.version));
+            m.deployed_at_s = deployed.map(|d| d.at_s);
+            m.deployed_by = deployed.map(|d| d.by.clone());
+        }
+        s.config_sha256 = live.config_sha256;
         s.requests = live.requests;
         s.cache = live.cache;
         s.cloud = live.cloud;
@@ -186,6 +218,9 @@ fn models(registry: &Registry, serving: &[(String, String)]) -> Vec<ModelStatus>
             name: m.name().into(),
             version: m.version().into(),
             sha256: m.manifest.sha256.clone(),
+            manifest_sha256: m.manifest_sha256.clone(),
+            deployed_at_s: None,
+            deployed_by: None,
             quantization: m.manifest.quantization.as_str(),
             active: active.contains(&(m.name().to_string(), m.version().to_string())),
         })

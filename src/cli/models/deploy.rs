@@ -45,6 +45,20 @@ fn print_model(m: &ModelReport) {
         or_dash(&m.previous),
         m.versions.join(", ")
     );
+    for r in &m.records {
+        let short =
+            |h: &Option<String>| h.as_deref().map_or("-".into(), |h| h[..h.len().min(12)].to_string());
+        let deployed = match (&r.deployed_at_s, &r.deployed_by) {
+            (Some(at), Some(by)) => format!("deployed at {at} by {by}"),
+            _ => "never made stable".into(),
+        };
+        println!(
+            "    v{:<6} model {}  manifest {}  {deployed}",
+            r.version,
+            short(&r.sha256),
+            short(&r.manifest_sha256)
+        );
+    }
     for d in m.history.iter().rev().take(5) {
         println!("    {}", describe(d));
     }

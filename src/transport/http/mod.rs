@@ -97,8 +97,8 @@ fn no_rollout() -> Response {
 
 async fn models_status(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
     let Some(rollout) = state.engine.rollout() else { return no_rollout() };
-    let available = state.engine.registry().available();
-    match rollout.current().report(&available, q.model.as_deref()) {
+    let registry = state.engine.registry();
+    match rollout.current().report(&registry.available(), &registry.fingerprints(), q.model.as_deref()) {
         Ok(report) => axum::Json(report).into_response(),
         Err(e) => rollout_error(&e),
     }
@@ -158,6 +158,16 @@ struct ModelMetadata {
     platform: &'static str,
     inputs: Vec<TensorMetadata>,
     outputs: Vec<TensorMetadata>,
+    /// The deployment record: the version serving, and per version its
+    /// files' hashes and when it was deployed, by what.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deployment: Option<Deployment>,
+}
+
+#[derive(Serialize)]
+struct Deployment {
+    serving: String,
+    records: Vec<crate::rollout::VersionRecord>,
 }
 
 fn error_response(err: &InferError) -> Response {
@@ -179,6 +189,12 @@ async fn metadata(State(state): State<AppState>, Path(model): Path<String>) -> R
     axum::Json(ModelMetadata {
         name: m.name().to_string(),
         versions: registry.versions(m.name()),
+        deployment: state.engine.rollout().and_then(|rollout| {
+            let report =
+                rollout.current().report(&registry.available(), &registry.fingerprints(), Some(m.name()));
+            let model = report.ok()?.into_iter().next()?;
+            Some(Deployment { serving: model.serving, records: model.records })
+        }),
         platform: "tract_onnx",
         inputs: vec![spec(&m.manifest.input)],
         outputs: m.manifest.outputs.iter().map(spec).collect(),

@@ -82,11 +82,15 @@ impl ControlTask {
         let Some(rollout) = self.engine.rollout() else {
             return Err(("internal", "this process keeps no deployment state".into()));
         };
-        let available = self.engine.registry().available();
+        let registry = self.engine.registry();
+        let available = registry.available();
         let model =
             || command.model.clone().ok_or(("invalid_payload", format!("{} needs model", command.command)));
         let outcome = match command.command.as_str() {
-            "status" => rollout.current().report(&available, command.model.as_deref()).map(|r| json!(r)),
+            "status" => rollout
+                .current()
+                .report(&available, &registry.fingerprints(), command.model.as_deref())
+                .map(|r| json!(r)),
             "promote" => rollout
                 .promote(&model()?, command.version.as_deref(), available, "control topic")
                 .await

@@ -146,6 +146,22 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     let active: Vec<&Value> =
         retained["models"].as_array().unwrap().iter().filter(|m| m["active"] == true).collect();
     assert_eq!((active.len(), active[0]["version"].as_str()), (1, Some("1")), "{retained}");
+    // The deployment record: hashes per version, who made it stable, the
+    // build and the config.
+    let hex64 =
+        |v: &Value| v.as_str().is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    let v1 = &active[0];
+    assert!(hex64(&v1["sha256"]) && hex64(&v1["manifest_sha256"]), "{v1}");
+    assert!(v1["deployed_by"].as_str().unwrap().contains("rollback"), "{v1}");
+    assert!(v1["deployed_at_s"].as_u64().unwrap() > 1_700_000_000, "{v1}");
+    assert!(hex64(&retained["config_sha256"]), "{retained}");
+    assert!(!retained["build"]["git_sha"].as_str().unwrap().is_empty(), "{retained}");
+    let (_, meta) = tokio::task::spawn_blocking(move || get_json(http, "/v2/models/digits")).await.unwrap();
+    assert_eq!(meta["deployment"]["serving"], "1", "{meta}");
+    let records = meta["deployment"]["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2, "{meta}");
+    assert!(records.iter().all(|r| hex64(&r["sha256"]) && hex64(&r["manifest_sha256"])), "{meta}");
+    assert!(records[1]["deployed_at_s"].is_null(), "version 2 was never made stable: {meta}");
     let metrics = tokio::task::spawn_blocking(move || scrape(http)).await.unwrap();
     assert!(metrics.contains("version=\"1\"") && metrics.contains("version=\"2\""));
     let state_file: Value =
@@ -195,6 +211,10 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     assert!(offline["by"].as_str().unwrap().contains("no node"), "{offline}");
     let listed = models_command(models.path(), state.path(), &["status"]).unwrap();
     assert_eq!((listed[0]["serving"].as_str(), listed[0]["stable"].as_str()), (Some("1"), Some("1")));
+    let records = listed[0]["records"].as_array().unwrap();
+    assert_eq!(records.len(), 2, "{listed}");
+    assert!(records.iter().all(|r| r["sha256"].as_str().is_some_and(|h| h.len() == 64)), "{listed}");
+    assert!(records[0]["deployed_by"].as_str().unwrap().contains("no node"), "{listed}");
     let refused = models_command(models.path(), state.path(), &["rollback", "digits"]).unwrap_err();
     assert!(refused.contains("nothing to roll back") && refused.contains("v1"), "{refused}");
     // A new version dropped in waits for a promote: the stable serves on.
