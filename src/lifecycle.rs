@@ -212,6 +212,11 @@ pub enum ReloadError {
     Models { dir: PathBuf, source: Box<crate::model::LoadError> },
     #[error("model {model} would have no loadable version left ({why}); keeping the current models")]
     Lost { model: String, why: String },
+    #[error(
+        "model {model}'s stable version v{version} would be gone ({why}); keeping the current models \
+         (promote another version first, or put it back)"
+    )]
+    StableLost { model: String, version: String, why: String },
     #[error("{0}; keeping the current models")]
     Threads(#[from] crate::engine::SpawnError),
 }
@@ -224,6 +229,9 @@ impl ReloadError {
             ReloadError::Models { .. } => "the models directory cannot be read".into(),
             ReloadError::Lost { model, .. } => {
                 format!("model {model} would have no loadable version left; keeping the current models")
+            }
+            ReloadError::StableLost { model, version, .. } => {
+                format!("model {model}'s stable version v{version} would be gone; keeping the current models")
             }
             ReloadError::Threads(e) => format!("cannot start inference threads for model {}", e.model),
         }
@@ -272,7 +280,27 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
             return Err(ReloadError::Lost { model: model.name().to_string(), why });
         }
     }
-    let serving = registry.active().map(|m| format!("{} v{}", m.name(), m.version())).collect();
+    // A pinned stable version must survive the reload: serving the newest
+    // instead could bring back the version it was rolled back from.
+    if let Some(rollout) = engine.rollout() {
+        for (model, deployment) in &rollout.current().models {
+            if engine.registry().get(model, Some(&deployment.stable)).is_ok()
+                && registry.get(model, Some(&deployment.stable)).is_err()
+            {
+                let stable_dir = format!("/{model}/{}", deployment.stable);
+                let why = refused
+                    .iter()
+                    .find(|r| r.contains(&stable_dir))
+                    .cloned()
+                    .unwrap_or_else(|| "its directory is gone".into());
+                let version = deployment.stable.clone();
+                return Err(ReloadError::StableLost { model: model.clone(), version, why });
+            }
+        }
+    }
+    let deployments = engine.rollout().map(|r| r.current());
+    let stable = |m: &str| deployments.as_deref().and_then(|d| d.stable(m));
+    let serving = registry.serving(stable).map(|m| format!("{} v{}", m.name(), m.version())).collect();
     let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
     let (previous, registry) = (engine.registry(), Arc::new(registry));
     engine.reload(registry.clone(), EngineOptions::from_config(&config))?;

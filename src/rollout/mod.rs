@@ -18,8 +18,21 @@ use tokio::sync::{mpsc, oneshot};
 type Answer = oneshot::Sender<Result<Decision, RolloutError>>;
 
 enum Command {
-    Promote { model: String, version: Option<String>, available: Available, by: String, reply: Answer },
-    Rollback { model: String, available: Available, by: String, reply: Answer },
+    Promote { model: String, version: Option<String>, available: Available, by: Asker, reply: Answer },
+    Rollback { model: String, available: Available, by: Asker, reply: Answer },
+}
+
+/// Who asks, and the id of their command when it may come twice.
+#[derive(Debug, Clone)]
+pub struct Asker {
+    pub by: String,
+    pub command_id: Option<String>,
+}
+
+impl Asker {
+    pub fn named(by: &str) -> Asker {
+        Asker { by: by.into(), command_id: None }
+    }
 }
 
 /// The handle requests and commands use.
@@ -36,16 +49,26 @@ impl Rollout {
     /// Reads the state in `state_dir` and starts the thread that owns it;
     /// each decision taken from then on comes out of the receiver, once.
     pub fn start(state_dir: PathBuf) -> Result<(Rollout, mpsc::Receiver<Decision>), RolloutError> {
-        let state = Deployments::load(&state_dir)?;
-        // Held for the process's life; commands run without a node check it.
-        let held = state::lock(&state_dir)?;
-        if held.is_none() {
-            tracing::warn!(
-                "{} in {} is held by another process: two nodes share node.state_dir",
-                state::LOCK_NAME,
-                state_dir.display()
-            );
+        // Held for the process's life, and taken before the state is read:
+        // a command run without a node writes only while no node holds it.
+        // A command holds it for milliseconds, so wait a little for it.
+        let mut held = state::lock(&state_dir)?;
+        for _ in 0..40 {
+            if held.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            held = state::lock(&state_dir)?;
         }
+        let Some(held) = held else {
+            return Err(RolloutError::State {
+                path: state_dir.join(state::LOCK_NAME),
+                reason:
+                    "held by another process: another node uses this node.state_dir; give each node its own"
+                        .into(),
+            });
+        };
+        let state = Deployments::load(&state_dir)?;
         let current = Arc::new(RwLock::new(Arc::new(state.clone())));
         let (commands, inbox) = mpsc::channel(16);
         let (events, decisions) = mpsc::channel(EVENTS);
@@ -70,10 +93,10 @@ impl Rollout {
         model: &str,
         version: Option<&str>,
         available: Available,
-        by: &str,
+        by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        let (model, version, by) = (model.to_string(), version.map(str::to_string), by.to_string());
+        let (model, version) = (model.to_string(), version.map(str::to_string));
         self.ask(Command::Promote { model, version, available, by, reply }, answer).await
     }
 
@@ -81,10 +104,10 @@ impl Rollout {
         &self,
         model: &str,
         available: Available,
-        by: &str,
+        by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        let (model, by) = (model.to_string(), by.to_string());
+        let model = model.to_string();
         self.ask(Command::Rollback { model, available, by, reply }, answer).await
     }
 
@@ -111,14 +134,33 @@ fn own(
         let mut next = state.clone();
         let now_s =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let by = match &command {
+            Command::Promote { by, .. } | Command::Rollback { by, .. } => by.clone(),
+        };
+        // A command that came again (redelivered after a restart) gets the
+        // decision it already took, and changes nothing.
+        if let Some(taken) = by.command_id.as_deref().and_then(|id| state.taken(id)).cloned() {
+            let reply = match command {
+                Command::Promote { reply, .. } | Command::Rollback { reply, .. } => reply,
+            };
+            let _ = reply.send(Ok(taken));
+            continue;
+        }
         let (outcome, reply) = match command {
             Command::Promote { model, version, available, by, reply } => {
-                (next.promote(&model, version.as_deref(), &available, &by, now_s), reply)
+                (next.promote(&model, version.as_deref(), &available, &by.by, now_s), reply)
             }
             Command::Rollback { model, available, by, reply } => {
-                (next.rollback(&model, &available, &by, now_s), reply)
+                (next.rollback(&model, &available, &by.by, now_s), reply)
             }
         };
+        let outcome = outcome.map(|mut decision| {
+            decision.command_id = by.command_id.clone();
+            if let Some(last) = next.models.get_mut(&decision.model).and_then(|d| d.history.last_mut()) {
+                last.command_id = by.command_id.clone();
+            }
+            decision
+        });
         let outcome = outcome.and_then(|decision| {
             next.save(&state_dir)?;
             Ok(decision)

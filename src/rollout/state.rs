@@ -60,6 +60,11 @@ pub struct Decision {
     /// Who asked: `models promote` (a terminal), `http`, ...
     pub by: String,
     pub reason: String,
+    /// The id of the command that asked for it, where one came with it (the
+    /// control topic's): a redelivered command finds its decision here and
+    /// is not applied twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -131,6 +136,11 @@ impl Deployments {
         std::fs::File::open(state_dir).and_then(|d| d.sync_all()).map_err(error)
     }
 
+    /// The decision a command with this id already took, if any.
+    pub fn taken(&self, command_id: &str) -> Option<&Decision> {
+        self.models.values().flat_map(|d| &d.history).find(|d| d.command_id.as_deref() == Some(command_id))
+    }
+
     /// The pinned stable version of `model`, if any.
     pub fn stable(&self, model: &str) -> Option<&str> {
         self.models.get(model).map(|d| d.stable.as_str())
@@ -186,6 +196,7 @@ impl Deployments {
             from,
             by: by.into(),
             reason: "promoted by command".into(),
+            command_id: None,
         };
         record(deployment, decision.clone());
         Ok(decision)
@@ -233,6 +244,7 @@ impl Deployments {
             from,
             by: by.into(),
             reason: "rolled back by command".into(),
+            command_id: None,
         };
         record(deployment, decision.clone());
         Ok(decision)

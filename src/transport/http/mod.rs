@@ -10,7 +10,7 @@ pub use server::{Listener, serve};
 
 use crate::engine::{Engine, Envelope};
 use crate::protocol::{Encoding, ErrorReply, InferError};
-use crate::rollout::RolloutError;
+use crate::rollout::{Asker, RolloutError};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -108,7 +108,10 @@ async fn models_promote(State(state): State<AppState>, Query(q): Query<ModelQuer
     let Some(rollout) = state.engine.rollout() else { return no_rollout() };
     let model = q.model.unwrap_or_default();
     let available = state.engine.registry().available();
-    match rollout.promote(&model, q.version.as_deref(), available, "models promote (http)").await {
+    match rollout
+        .promote(&model, q.version.as_deref(), available, Asker::named("models promote (http)"))
+        .await
+    {
         Ok(decision) => axum::Json(decision).into_response(),
         Err(e) => rollout_error(&e),
     }
@@ -118,7 +121,7 @@ async fn models_rollback(State(state): State<AppState>, Query(q): Query<ModelQue
     let Some(rollout) = state.engine.rollout() else { return no_rollout() };
     let model = q.model.unwrap_or_default();
     let available = state.engine.registry().available();
-    match rollout.rollback(&model, available, "models rollback (http)").await {
+    match rollout.rollback(&model, available, Asker::named("models rollback (http)")).await {
         Ok(decision) => axum::Json(decision).into_response(),
         Err(e) => rollout_error(&e),
     }

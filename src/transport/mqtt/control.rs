@@ -9,6 +9,7 @@
 use super::outbox::Reply;
 use super::topics::Topics;
 use crate::engine::Engine;
+use crate::rollout::Asker;
 use crate::transport::http::Token;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
@@ -37,7 +38,8 @@ pub struct ControlTask {
 impl ControlTask {
     /// The reply to one command, or `None` when it names nowhere a reply
     /// may go (dropped, like such a request).
-    pub async fn handle(self, publish: &Publish) -> Option<Reply> {
+    /// `admitted`: false when the node is at its in-flight bound.
+    pub async fn handle(self, publish: &Publish, admitted: bool) -> Option<Reply> {
         let props = publish.properties.clone().unwrap_or_default();
         let parsed = serde_json::from_slice::<Command>(&publish.payload);
         let reply_to = parsed.as_ref().ok().and_then(|c| c.reply_to.clone());
@@ -51,6 +53,9 @@ impl ControlTask {
                     format!("a control command is JSON with id, token, command, model, version: {e}"),
                 )),
             ),
+            Ok(command) if !admitted => {
+                (command.id, Err(("overloaded", "the node is at mqtt.max_in_flight; retry later".into())))
+            }
             Ok(command) => {
                 let id = command.id.clone();
                 (id, self.run(command).await)
@@ -84,6 +89,12 @@ impl ControlTask {
         };
         let registry = self.engine.registry();
         let available = registry.available();
+        // The id makes a redelivered command (the broker resends one whose
+        // acknowledgement a restart cut off) a repeat, not a second step.
+        let by = Asker {
+            by: "control topic".into(),
+            command_id: (!command.id.is_empty()).then(|| format!("control:{}", command.id)),
+        };
         let model =
             || command.model.clone().ok_or(("invalid_payload", format!("{} needs model", command.command)));
         let outcome = match command.command.as_str() {
@@ -91,11 +102,10 @@ impl ControlTask {
                 .current()
                 .report(&available, &registry.fingerprints(), command.model.as_deref())
                 .map(|r| json!(r)),
-            "promote" => rollout
-                .promote(&model()?, command.version.as_deref(), available, "control topic")
-                .await
-                .map(|d| json!(d)),
-            "rollback" => rollout.rollback(&model()?, available, "control topic").await.map(|d| json!(d)),
+            "promote" => {
+                rollout.promote(&model()?, command.version.as_deref(), available, by).await.map(|d| json!(d))
+            }
+            "rollback" => rollout.rollback(&model()?, available, by).await.map(|d| json!(d)),
             other => {
                 return Err((
                     "invalid_payload",

@@ -220,6 +220,9 @@ impl MqttService {
                     } else {
                         // The session resumed with its subscriptions, and
                         // rumqttc resends the unacknowledged replies itself.
+                        // The control topic follows the config in service,
+                        // not the one the session was made with.
+                        self.resubscribe_control(&conn.client);
                         self.announce_ready(&mut conn, "resumed");
                     }
                 }
@@ -243,20 +246,23 @@ impl MqttService {
                     }
                     // Running or answered: its acknowledgement is to come.
                     Some(_) => {}
-                    None if self.control.is_some() && publish.topic == self.topics.control().as_bytes() => {
+                    None if publish.topic == self.topics.control().as_bytes() => {
                         let slot = acks.arrived(&publish);
-                        // Bounded like requests; one over the bound is dropped.
-                        let Ok(admitted) = admission.admit(publish.payload.len()) else {
+                        // Control off: a subscription left from an earlier
+                        // run may still bring one; it gets nothing.
+                        let Some(token) = self.control.clone() else {
                             slot.send(None);
                             continue;
                         };
+                        // Bounded like requests; one over the bound is answered `overloaded`.
+                        let admitted = admission.admit(publish.payload.len());
                         let task = control::ControlTask {
                             engine: self.engine.clone(),
                             topics: self.topics.clone(),
-                            token: self.control.clone().expect("checked above"),
+                            token,
                         };
                         tasks.spawn(async move {
-                            slot.send(task.handle(&publish).await);
+                            slot.send(task.handle(&publish, admitted.is_ok()).await);
                             drop(admitted);
                         });
                     }
@@ -402,6 +408,19 @@ impl MqttService {
             topics.into_iter().map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
         if let Err(e) = client.try_subscribe_many(filters) {
             tracing::error!("subscribing to the request topics: {e}");
+        }
+    }
+
+    /// On a resumed session: the control topic subscribed exactly when
+    /// `control.enabled` (a restart may have turned it on or off).
+    fn resubscribe_control(&self, client: &AsyncClient) {
+        let topic = self.topics.control();
+        let done = match self.control {
+            Some(_) => client.try_subscribe(topic, QoS::AtLeastOnce),
+            None => client.try_unsubscribe(topic),
+        };
+        if let Err(e) = done {
+            tracing::error!("the control topic's subscription: {e}");
         }
     }
 

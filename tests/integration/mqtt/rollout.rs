@@ -19,6 +19,8 @@ fn models_command(models: &Path, state: &Path, args: &[&str]) -> Result<Value, S
         .args(args)
         .arg("--json")
         .env_remove("EDGEINFER_CONFIG")
+        // No default address to ask: only --url reaches a node.
+        .env("EDGEINFER_HTTP__LISTEN", "")
         .env("EDGEINFER_NODE__STATE_DIR", state)
         .output()
         .unwrap();
@@ -77,7 +79,11 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     let mut rollback = None;
     let mut rolled_back_at = None;
     let mut i = 0;
-    while started.elapsed() < Duration::from_secs(3) {
+    // Load for 3 s, and on until the command (a process of its own, slow to
+    // start on a loaded machine) has answered, up to 10 s.
+    while started.elapsed() < Duration::from_secs(3)
+        || (rolled_back_at.is_none() && started.elapsed() < Duration::from_secs(10))
+    {
         device.request("edgeinfer/gw-ro/infer/digits", row(i), "ro/replies", b"", None).await;
         sent_at.push(Instant::now());
         i += 1;
@@ -96,7 +102,7 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
             replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
         }
     }
-    let rolled_back_at = rolled_back_at.expect("the rollback answered within 2 s");
+    let rolled_back_at = rolled_back_at.expect("the rollback answered within 9 s");
     let sent = i;
     let deadline = Instant::now() + Duration::from_secs(10);
     while replies.values().map(Vec::len).sum::<usize>() < sent && Instant::now() < deadline {
@@ -178,6 +184,16 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     .await
     .unwrap();
     assert_eq!(reply["model_version"], "1", "{reply}");
+    // The node holds the state; a command that cannot reach it says so and
+    // writes nothing behind its back.
+    let (models_path, state_path) = (models.path().to_path_buf(), state.path().to_path_buf());
+    let held = tokio::task::spawn_blocking(move || {
+        models_command(&models_path, &state_path, &["rollback", "digits"])
+    })
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(held.contains("held by a running node") && held.contains("--url"), "{held}");
     let url = format!("http://127.0.0.1:{http}");
     let (models_path, state_path) = (models.path().to_path_buf(), state.path().to_path_buf());
     let promoted = tokio::task::spawn_blocking(move || {
@@ -219,13 +235,27 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     assert!(refused.contains("nothing to roll back") && refused.contains("v1"), "{refused}");
     // A new version dropped in waits for a promote: the stable serves on.
     copy_digits_version(models.path(), "3", false);
-    let (_node, _, http) = start(owned).await;
+    let (node, mqtt, http) = start(owned).await;
     let reply = tokio::task::spawn_blocking(move || {
         super::support::infer_digits(http, &digits_request("offline", &[heldout()[0].1.clone()]))
     })
     .await
     .unwrap();
     assert_eq!(reply["model_version"], "1", "{reply}");
+    // A reload that would drop the stable version is refused: v1 serves on.
+    std::fs::remove_dir_all(models.path().join("digits/1")).unwrap();
+    node.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let reply = tokio::task::spawn_blocking(move || {
+        super::support::infer_digits(http, &digits_request("reloaded", &[heldout()[0].1.clone()]))
+    })
+    .await
+    .unwrap();
+    assert_eq!(reply["model_version"], "1", "{reply}");
+    let mut watcher = Client::connect(mqtt, "watch-ro2", &["edgeinfer/gw-ro/status"]).await;
+    let (_, retained) = watcher.next_json().await;
+    let why = retained["reload_error"].as_str().unwrap_or_else(|| panic!("{retained}"));
+    assert!(why.contains("stable version v1"), "{why}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,6 +296,14 @@ async fn the_control_topic_takes_commands_with_the_token_only_and_is_absent_when
         ask(serde_json::json!({"id": "c4", "token": token, "command": "rollback", "model": "digits"})).await;
     assert_eq!((done["id"].as_str(), done["result"]["version"].as_str()), (Some("c4"), Some("1")), "{done}");
     assert_eq!(done["result"]["by"], "control topic");
+    // The same command again (a broker redelivering it after a restart): the
+    // decision it took, not a second step back.
+    let again =
+        ask(serde_json::json!({"id": "c4", "token": token, "command": "rollback", "model": "digits"})).await;
+    assert_eq!(again["result"], done["result"], "{again}");
+    let status =
+        ask(serde_json::json!({"id": "c4b", "token": token, "command": "status", "model": "digits"})).await;
+    assert_eq!(status["result"][0]["history"].as_array().map(Vec::len), Some(1), "{status}");
     let unknown = ask(serde_json::json!({"id": "c5", "token": token, "command": "promote", "model": "digits", "version": "9"})).await;
     assert_eq!(unknown["error"]["code"], "unknown_model", "{unknown}");
     let junk = ask(serde_json::json!({"id": "c6", "token": token, "command": "reboot"})).await;
