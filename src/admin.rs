@@ -5,7 +5,7 @@
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
-use crate::rollout::{Decision, Deployments, ModelReport, RolloutError};
+use crate::rollout::{Asker, Decision, Deployments, ModelReport, RolloutError};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -157,11 +157,15 @@ pub async fn models_change(
     let (_lock, mut deployments, available) = open_state(config, base.as_deref(), no_node)?;
     let now_s = crate::telemetry::unix_now();
     let decision = match change {
-        Change::Promote { model, version } => {
-            deployments.promote(model, version.as_deref(), &available, "models promote (no node)", now_s)?
-        }
+        Change::Promote { model, version } => deployments.promote(
+            model,
+            version.as_deref(),
+            &available,
+            &Asker::named("models promote (no node)"),
+            now_s,
+        )?,
         Change::Rollback { model } => {
-            deployments.rollback(model, &available, "models rollback (no node)", now_s)?
+            deployments.rollback(model, &available, &Asker::named("models rollback (no node)"), now_s)?
         }
     };
     deployments.save(&config.node.state_dir)?;

@@ -18,10 +18,6 @@ pub fn resolve<'g>(
 ) -> Result<&'g Runner, InferError> {
     match envelope.version.or(req.parameters.model_version.as_deref()) {
         Some(version) => runners.get(envelope.model, Some(version)),
-        // A pinned stable that is not loaded (its directory gone, or
-        // refused at load): the newest serves.
-        None => stable
-            .and_then(|v| runners.get(envelope.model, Some(v)).ok())
-            .map_or_else(|| runners.get(envelope.model, None), Ok),
+        None => runners.serving(envelope.model, stable),
     }
 }

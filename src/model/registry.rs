@@ -155,10 +155,7 @@ impl Registry {
         &'a self,
         stable: impl Fn(&str) -> Option<&'a str> + 'a,
     ) -> impl Iterator<Item = &'a Arc<LoadedModel>> + 'a {
-        self.models.by_name.iter().filter_map(move |(name, versions)| {
-            let pinned = stable(name).and_then(|v| versions.get(&VersionKey::of(v)));
-            pinned.or_else(|| versions.values().next_back())
-        })
+        self.models.by_name.keys().filter_map(move |name| self.models.serving(name, stable(name)).ok())
     }
 
     pub fn versions(&self, name: &str) -> Vec<String> {
@@ -214,6 +211,15 @@ impl<T> Versions<T> {
                     versions.keys().map(|k| k.1.as_str()).collect::<Vec<_>>().join(", ")
                 ))
             }),
+        }
+    }
+
+    /// What answers a request for `name` naming no version: `stable` when
+    /// it is loaded (the deployment state's pin), else the newest.
+    pub fn serving(&self, name: &str, stable: Option<&str>) -> Result<&T, InferError> {
+        match stable.and_then(|v| self.by_name.get(name)?.get(&VersionKey::of(v))) {
+            Some(pinned) => Ok(pinned),
+            None => self.get(name, None),
         }
     }
 

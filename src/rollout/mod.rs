@@ -8,7 +8,8 @@
 pub mod state;
 
 pub use state::{
-    Action, Available, Decision, Deployed, Deployment, Deployments, ModelReport, RolloutError, VersionRecord,
+    Action, Asker, Available, Decision, Deployed, Deployment, Deployments, ModelReport, RolloutError,
+    VersionRecord,
 };
 
 use std::path::PathBuf;
@@ -22,16 +23,10 @@ enum Command {
     Rollback { model: String, available: Available, by: Asker, reply: Answer },
 }
 
-/// Who asks, and the id of their command when it may come twice.
-#[derive(Debug, Clone)]
-pub struct Asker {
-    pub by: String,
-    pub command_id: Option<String>,
-}
-
-impl Asker {
-    pub fn named(by: &str) -> Asker {
-        Asker { by: by.into(), command_id: None }
+impl Command {
+    fn id(&self) -> Option<&str> {
+        let (Command::Promote { by, .. } | Command::Rollback { by, .. }) = self;
+        by.command_id.as_deref()
     }
 }
 
@@ -134,33 +129,21 @@ fn own(
         let mut next = state.clone();
         let now_s =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let by = match &command {
-            Command::Promote { by, .. } | Command::Rollback { by, .. } => by.clone(),
-        };
         // A command that came again (redelivered after a restart) gets the
         // decision it already took, and changes nothing.
-        if let Some(taken) = by.command_id.as_deref().and_then(|id| state.taken(id)).cloned() {
-            let reply = match command {
-                Command::Promote { reply, .. } | Command::Rollback { reply, .. } => reply,
-            };
+        if let Some(taken) = command.id().and_then(|id| state.taken(id)).cloned() {
+            let (Command::Promote { reply, .. } | Command::Rollback { reply, .. }) = command;
             let _ = reply.send(Ok(taken));
             continue;
         }
         let (outcome, reply) = match command {
             Command::Promote { model, version, available, by, reply } => {
-                (next.promote(&model, version.as_deref(), &available, &by.by, now_s), reply)
+                (next.promote(&model, version.as_deref(), &available, &by, now_s), reply)
             }
             Command::Rollback { model, available, by, reply } => {
-                (next.rollback(&model, &available, &by.by, now_s), reply)
+                (next.rollback(&model, &available, &by, now_s), reply)
             }
         };
-        let outcome = outcome.map(|mut decision| {
-            decision.command_id = by.command_id.clone();
-            if let Some(last) = next.models.get_mut(&decision.model).and_then(|d| d.history.last_mut()) {
-                last.command_id = by.command_id.clone();
-            }
-            decision
-        });
         let outcome = outcome.and_then(|decision| {
             next.save(&state_dir)?;
             Ok(decision)

@@ -31,6 +31,18 @@ pub enum RolloutError {
     Stopped,
 }
 
+impl RolloutError {
+    /// The error's class, as the control topic names it (and HTTP maps to
+    /// 404, 409, 500).
+    pub fn code(&self) -> &'static str {
+        match self {
+            RolloutError::UnknownModel { .. } | RolloutError::UnknownVersion { .. } => "unknown_model",
+            RolloutError::NothingToRollBack { .. } | RolloutError::AlreadyStable { .. } => "conflict",
+            RolloutError::State { .. } | RolloutError::Stopped => "internal",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Action {
@@ -44,6 +56,20 @@ impl Action {
             Action::Promoted => "promoted",
             Action::RolledBack => "rolled back",
         }
+    }
+}
+
+/// Who asks for a decision, and the id of their command when it may come
+/// twice (the control topic's).
+#[derive(Debug, Clone)]
+pub struct Asker {
+    pub by: String,
+    pub command_id: Option<String>,
+}
+
+impl Asker {
+    pub fn named(by: &str) -> Asker {
+        Asker { by: by.into(), command_id: None }
     }
 }
 
@@ -162,7 +188,7 @@ impl Deployments {
         model: &str,
         version: Option<&str>,
         available: &Available,
-        by: &str,
+        asker: &Asker,
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
         let versions = versions_of(model, available)?;
@@ -184,22 +210,9 @@ impl Deployments {
         let deployment = self.models.entry(model.to_string()).or_default();
         if !from.is_empty() {
             deployment.previous.push(from.clone());
-            let excess = deployment.previous.len().saturating_sub(HISTORY);
-            deployment.previous.drain(..excess);
+            keep_last(&mut deployment.previous);
         }
-        deployment.stable = version.clone();
-        let decision = Decision {
-            model: model.into(),
-            at_s: now_s,
-            action: Action::Promoted,
-            version,
-            from,
-            by: by.into(),
-            reason: "promoted by command".into(),
-            command_id: None,
-        };
-        record(deployment, decision.clone());
-        Ok(decision)
+        Ok(decide(deployment, model, Action::Promoted, version, from, asker, now_s))
     }
 
     /// Returns `model` to the stable before the current one (without state:
@@ -208,7 +221,7 @@ impl Deployments {
         &mut self,
         model: &str,
         available: &Available,
-        by: &str,
+        asker: &Asker,
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
         let versions = versions_of(model, available)?;
@@ -235,19 +248,7 @@ impl Deployments {
                 why: format!("v{from} is the oldest version here"),
             });
         };
-        deployment.stable = version.clone();
-        let decision = Decision {
-            model: model.into(),
-            at_s: now_s,
-            action: Action::RolledBack,
-            version,
-            from,
-            by: by.into(),
-            reason: "rolled back by command".into(),
-            command_id: None,
-        };
-        record(deployment, decision.clone());
-        Ok(decision)
+        Ok(decide(deployment, model, Action::RolledBack, version, from, asker, now_s))
     }
 }
 
@@ -338,12 +339,42 @@ fn versions_of<'a>(model: &str, available: &'a Available) -> Result<&'a Vec<Stri
     })
 }
 
-fn record(deployment: &mut Deployment, decision: Decision) {
-    let deployed = Deployed { at_s: decision.at_s, by: decision.by.clone() };
+/// `version` becomes stable: recorded as deployed and in the history.
+fn decide(
+    deployment: &mut Deployment,
+    model: &str,
+    action: Action,
+    version: String,
+    from: String,
+    asker: &Asker,
+    now_s: u64,
+) -> Decision {
+    let reason = match action {
+        Action::Promoted => "promoted by command",
+        Action::RolledBack => "rolled back by command",
+    };
+    let decision = Decision {
+        model: model.into(),
+        at_s: now_s,
+        action,
+        version,
+        from,
+        by: asker.by.clone(),
+        reason: reason.into(),
+        command_id: asker.command_id.clone(),
+    };
+    deployment.stable = decision.version.clone();
+    let deployed = Deployed { at_s: now_s, by: asker.by.clone() };
     deployment.deployed.insert(decision.version.clone(), deployed);
-    deployment.history.push(decision);
-    let excess = deployment.history.len().saturating_sub(HISTORY);
-    deployment.history.drain(..excess);
+    deployment.history.push(decision.clone());
+    keep_last(&mut deployment.history);
+    decision
+}
+
+/// Drops the oldest entries beyond `HISTORY`.
+fn keep_last<T>(entries: &mut Vec<T>) {
+    let excess = entries.len().saturating_sub(HISTORY);
+    entries.drain(..excess);
 }
 
 #[cfg(test)]
@@ -359,19 +390,19 @@ mod tests {
         let two = available(&["1", "2"]);
         let mut state = Deployments::default();
         assert_eq!(state.serving("digits", &two), Some("2"));
-        let back = state.rollback("digits", &two, "test", 10).unwrap();
+        let back = state.rollback("digits", &two, &Asker::named("test"), 10).unwrap();
         assert_eq!((back.action, back.version.as_str(), back.from.as_str()), (Action::RolledBack, "1", "2"));
         assert_eq!(state.serving("digits", &two), Some("1"));
-        let err = state.rollback("digits", &two, "test", 11).unwrap_err().to_string();
+        let err = state.rollback("digits", &two, &Asker::named("test"), 11).unwrap_err().to_string();
         assert!(err.contains("nothing to roll back") && err.contains("v1"), "{err}");
         assert_eq!(state.serving("digits", &two), Some("1"), "a refused rollback changes nothing");
         // A new version on disk does not serve until promoted.
         let three = available(&["1", "2", "3"]);
         assert_eq!(state.serving("digits", &three), Some("1"));
-        let up = state.promote("digits", None, &three, "test", 12).unwrap();
+        let up = state.promote("digits", None, &three, &Asker::named("test"), 12).unwrap();
         assert_eq!((up.version.as_str(), up.from.as_str()), ("3", "1"));
         // Rollback returns to the stable before, not merely the next older.
-        assert_eq!(state.rollback("digits", &three, "test", 13).unwrap().version, "1");
+        assert_eq!(state.rollback("digits", &three, &Asker::named("test"), 13).unwrap().version, "1");
         assert_eq!(state.models["digits"].history.len(), 3);
     }
 
@@ -379,15 +410,15 @@ mod tests {
     fn promote_refuses_what_is_not_there_or_already_stable_and_names_what_is() {
         let two = available(&["1", "2"]);
         let mut state = Deployments::default();
-        let err = state.promote("digits", Some("7"), &two, "t", 1).unwrap_err().to_string();
+        let err = state.promote("digits", Some("7"), &two, &Asker::named("t"), 1).unwrap_err().to_string();
         assert!(err.contains("\"7\"") && err.contains("1, 2"), "{err}");
-        let err = state.promote("digits", Some("2"), &two, "t", 1).unwrap_err().to_string();
+        let err = state.promote("digits", Some("2"), &two, &Asker::named("t"), 1).unwrap_err().to_string();
         assert!(err.contains("already stable"), "{err}");
-        let err = state.promote("kws", None, &two, "t", 1).unwrap_err().to_string();
+        let err = state.promote("kws", None, &two, &Asker::named("t"), 1).unwrap_err().to_string();
         assert!(err.contains("kws") && err.contains("digits"), "{err}");
         assert_eq!(state, Deployments::default(), "refusals leave no state behind");
         // A stable whose directory is gone: the newest serves meanwhile.
-        state.promote("digits", Some("1"), &two, "t", 2).unwrap();
+        state.promote("digits", Some("1"), &two, &Asker::named("t"), 2).unwrap();
         assert_eq!(state.serving("digits", &available(&["2", "3"])), Some("3"));
     }
 
@@ -396,7 +427,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(Deployments::load(dir.path()).unwrap(), Deployments::default());
         let mut state = Deployments::default();
-        state.rollback("digits", &available(&["1", "2"]), "t", 5).unwrap();
+        state.rollback("digits", &available(&["1", "2"]), &Asker::named("t"), 5).unwrap();
         state.save(dir.path()).unwrap();
         assert_eq!(Deployments::load(dir.path()).unwrap(), state);
         assert!(!dir.path().join(format!("{FILE_NAME}.new")).exists());

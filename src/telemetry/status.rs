@@ -1,6 +1,6 @@
 //! The retained status message.
 
-use crate::model::Registry;
+use crate::model::{LoadedModel, Registry};
 use crate::rollout::{Decision, Deployments};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -164,7 +164,7 @@ impl Status {
             restart_needed: Vec::new(),
             rss_bytes: None,
             peak_rss_bytes: None,
-            models: models(registry, &newest(registry)),
+            models: models(registry, &newest(registry), None),
             rollout: BTreeMap::new(),
             build: Build::THIS,
             config_sha256: None,
@@ -184,14 +184,8 @@ impl Status {
         let mut s = self.clone();
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);
-        s.models = models(&live.registry, &live.serving);
+        s.models = models(&live.registry, &live.serving, live.deployments.as_deref());
         s.rollout = rollout(live.deployments.as_deref());
-        for m in &mut s.models {
-            let deployed =
-                live.deployments.as_deref().and_then(|d| d.models.get(&m.name)?.deployed.get(&m.version));
-            m.deployed_at_s = deployed.map(|d| d.at_s);
-            m.deployed_by = deployed.map(|d| d.by.clone());
-        }
         s.config_sha256 = live.config_sha256;
         s.requests = live.requests;
         s.cache = live.cache;
@@ -210,8 +204,12 @@ fn newest(registry: &Registry) -> Vec<(String, String)> {
 
 /// Every loaded version; `active` marks the one serving requests that name
 /// none.
-fn models(registry: &Registry, serving: &[(String, String)]) -> Vec<ModelStatus> {
-    let active = serving;
+fn models(
+    registry: &Registry,
+    serving: &[(String, String)],
+    deployments: Option<&Deployments>,
+) -> Vec<ModelStatus> {
+    let deployed = |m: &LoadedModel| deployments?.models.get(m.name())?.deployed.get(m.version());
     registry
         .all()
         .map(|m| ModelStatus {
@@ -219,10 +217,10 @@ fn models(registry: &Registry, serving: &[(String, String)]) -> Vec<ModelStatus>
             version: m.version().into(),
             sha256: m.manifest.sha256.clone(),
             manifest_sha256: m.manifest_sha256.clone(),
-            deployed_at_s: None,
-            deployed_by: None,
+            deployed_at_s: deployed(m).map(|d| d.at_s),
+            deployed_by: deployed(m).map(|d| d.by.clone()),
             quantization: m.manifest.quantization.as_str(),
-            active: active.contains(&(m.name().to_string(), m.version().to_string())),
+            active: serving.contains(&(m.name().to_string(), m.version().to_string())),
         })
         .collect()
 }

@@ -82,10 +82,10 @@ struct ModelQuery {
 }
 
 fn rollout_error(e: &RolloutError) -> Response {
-    let status = match e {
-        RolloutError::UnknownModel { .. } | RolloutError::UnknownVersion { .. } => StatusCode::NOT_FOUND,
-        RolloutError::NothingToRollBack { .. } | RolloutError::AlreadyStable { .. } => StatusCode::CONFLICT,
-        RolloutError::State { .. } | RolloutError::Stopped => StatusCode::INTERNAL_SERVER_ERROR,
+    let status = match e.code() {
+        "unknown_model" => StatusCode::NOT_FOUND,
+        "conflict" => StatusCode::CONFLICT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, axum::Json(serde_json::json!({"error": e.to_string()}))).into_response()
 }

@@ -113,14 +113,6 @@ impl ControlTask {
                 ));
             }
         };
-        outcome.map_err(|e| {
-            use crate::rollout::RolloutError as E;
-            let code = match e {
-                E::UnknownModel { .. } | E::UnknownVersion { .. } => "unknown_model",
-                E::NothingToRollBack { .. } | E::AlreadyStable { .. } => "conflict",
-                E::State { .. } | E::Stopped => "internal",
-            };
-            (code, e.to_string())
-        })
+        outcome.map_err(|e| (e.code(), e.to_string()))
     }
 }
