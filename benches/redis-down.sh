@@ -12,16 +12,8 @@ BIN=$1; RATE=${2:-1000}; SECS=${3:-10}
 MODELS="$(dirname "$0")/../models"
 D=$(mktemp -d)
 trap 'kill $NODE $MOSQ $RED 2>/dev/null; kill -CONT $RED 2>/dev/null; rm -rf $D' EXIT
-MP=$((23000 + RANDOM % 1000)); RP=$((MP + 1000))
-cat > $D/m.conf <<C
-listener $MP 127.0.0.1
-allow_anonymous true
-set_tcp_nodelay true
-max_queued_messages 100000
-C
-mosquitto -c $D/m.conf > $D/mosq.log 2>&1 & MOSQ=$!
-redis-server --port $RP --bind 127.0.0.1 --save "" --appendonly no --dir $D > $D/redis.log 2>&1 & RED=$!
-sleep 0.5
+. "$(dirname "$0")/site-parts.sh"
+start_broker_and_redis 23000
 EDGEINFER_NODE__ID=gw-1 EDGEINFER_NODE__STATE_DIR=$D/s EDGEINFER_MQTT__URL=mqtt://127.0.0.1:$MP \
 EDGEINFER_HTTP__LISTEN=127.0.0.1:$((MP + 2000)) EDGEINFER_CACHE__REDIS__ENABLED=true \
 EDGEINFER_CACHE__REDIS__URL=redis://127.0.0.1:$RP \

@@ -5,16 +5,8 @@
 #   benches/site.sh target/release/edgeinfer 3 --distinct --keys 20000 --duration 10
 BIN=$1; N=$2; shift 2
 D=$(mktemp -d)
-MP=$((21000 + RANDOM % 1000)); RP=$((MP + 1000))
-cat > $D/m.conf <<C
-listener $MP 127.0.0.1
-allow_anonymous true
-set_tcp_nodelay true
-max_queued_messages 100000
-C
-mosquitto -c $D/m.conf > $D/mosq.log 2>&1 & MOSQ=$!
-redis-server --port $RP --bind 127.0.0.1 --save "" --appendonly no --dir $D > $D/redis.log 2>&1 & RED=$!
-sleep 0.5
+. "$(dirname "$0")/site-parts.sh"
+start_broker_and_redis 21000
 PIDS=()
 for i in $(seq 1 $N); do
   EDGEINFER_NODE__ID=gw-$i EDGEINFER_NODE__STATE_DIR=$D/s$i EDGEINFER_MQTT__URL=mqtt://127.0.0.1:$MP \
