@@ -445,7 +445,7 @@ fn redis_errors(http: u16, reason: &str) -> f64 {
 }
 
 #[test]
-fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds() {
+fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds_and_with_eviction_takes_them() {
     let Some(redis) = RedisServer::start(None, None) else { return };
     let (_a, a) = node("gw-f1", &redis.url(), &[]);
     let (_b, b) = node("gw-f2", &redis.url(), &[]);
@@ -480,6 +480,28 @@ fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds() {
         assert!(Instant::now() < deadline, "{}", get_json(a, "/cache/stats").1);
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Full with an eviction policy (the setting for a cache): Redis makes
+    // room by evicting, every write lands, nothing is refused.
+    let info = |section: &str, field: &str| -> u64 {
+        let text = redis.cli(&["INFO", section]);
+        let line = text.lines().find(|l| l.starts_with(&format!("{field}:"))).unwrap();
+        line.trim_end().rsplit(':').next().unwrap().parse().unwrap()
+    };
+    let full_before = redis_errors(a, "full");
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"]);
+    let room = info("memory", "used_memory") + 4000;
+    redis.cli(&["CONFIG", "SET", "maxmemory", &room.to_string()]);
+    for i in 41..101 {
+        let reply = infer_digits(a, &request(&format!("e{i}"), i));
+        assert_eq!(cache_of(&reply), "miss", "computed and answered: {reply}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while info("stats", "evicted_keys") == 0 {
+        assert!(Instant::now() < deadline, "Redis evicted nothing: {}", redis.cli(&["INFO", "memory"]));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(redis_errors(a, "full"), full_before, "no write refused under allkeys-lru");
+    assert_eq!(get_json(a, "/cache/stats").1["redis"], json!({"up": true}));
 }
 
 #[test]
