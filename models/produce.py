@@ -13,6 +13,15 @@ README "Regenerating the models"); it rewrites
                           so `edgeinfer models compare` has a real choice to make
   models/heldout/digits.csv   the held-out split (label, 64 pixels), for accuracy tests
 
+`python models/produce.py --rollout-tests` writes instead, outside the served
+models/ directory, the two bad candidates the rollout tests drop in as a new
+`digits` version (tests/models/, README "Rolling out a model"):
+
+  tests/models/digits-wrong-labels/  digits trained on labels shifted by one: it
+                                     disagrees with digits on nearly every input
+  tests/models/digits-slow/          the f32 digits with a heavy branch (200 shared
+                                     512x512 matmuls) that changes no answer: slow
+
 Each version directory holds model.onnx, model.toml (the manifest the node reads)
 and golden.json (inputs with onnxruntime's outputs and the tolerance the node
 must meet at load).
@@ -113,8 +122,9 @@ def sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def write_version(name, onnx_path_tmp, quantization, acc, produced_by, golden_x, tolerance, extra_acc=None):
-    vdir = ROOT / name / "1"
+def write_version(name, onnx_path_tmp, quantization, acc, produced_by, golden_x, tolerance, extra_acc=None,
+                  vdir=None, version="1"):
+    vdir = vdir or ROOT / name / version
     vdir.mkdir(parents=True, exist_ok=True)
     model_path = vdir / "model.onnx"
     os.replace(onnx_path_tmp, model_path)
@@ -132,7 +142,7 @@ def write_version(name, onnx_path_tmp, quantization, acc, produced_by, golden_x,
         acc_lines += [f"{k} = {v:.4f}" for k, v in extra_acc.items()]
     manifest = f"""# Produced by models/produce.py; do not edit by hand (the sha256 is checked at load).
 name = "{name}"
-version = "1"
+version = "{version}"
 file = "model.onnx"
 sha256 = "{sha256(model_path)}"
 task = "classification"
@@ -165,6 +175,56 @@ rows = {len(Y_TEST)}
 """
     (vdir / "model.toml").write_text(manifest)
     print(f"{name}: {quantization} held-out accuracy {acc:.4f} -> {vdir}")
+
+
+def with_slow_branch(model, width=512, layers=200):
+    """`model` plus a branch of `layers` matmuls sharing one width x width weight,
+    summed and scaled by 1e-30 into the logits: the same answers, far more work."""
+    rng = np.random.default_rng(SEED)
+    g = model.graph
+    g.initializer.extend([
+        numpy_helper.from_array((rng.standard_normal((64, width)) * np.sqrt(2 / 64)).astype(np.float32), "slow_in"),
+        numpy_helper.from_array((rng.standard_normal((width, width)) * np.sqrt(2 / width)).astype(np.float32), "slow_w"),
+        numpy_helper.from_array(np.array(1e-30, dtype=np.float32), "slow_scale"),
+    ])
+    nodes = [helper.make_node("MatMul", ["input", "slow_in"], ["slow0"], name="slow_in_matmul")]
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [f"slow{i}", "slow_w"], [f"slow_mm{i}"], name=f"slow_mm{i}"))
+        nodes.append(helper.make_node("Relu", [f"slow_mm{i}"], [f"slow{i + 1}"], name=f"slow_relu{i}"))
+    nodes.append(helper.make_node("ReduceSum", [f"slow{layers}"], ["slow_sum"], keepdims=1, name="slow_sum"))
+    nodes.append(helper.make_node("Mul", ["slow_sum", "slow_scale"], ["slow_tiny"], name="slow_scale_mul"))
+    # The logits' producer now writes `fast_logits`; the branch joins there.
+    for n in g.node:
+        n.output[:] = ["fast_logits" if o == "logits" else o for o in n.output]
+    nodes.append(helper.make_node("Add", ["fast_logits", "slow_tiny"], ["logits"], name="slow_join"))
+    softmax = [n for n in g.node if n.op_type == "Softmax"]
+    rest = [n for n in g.node if n.op_type != "Softmax"]
+    del g.node[:]
+    g.node.extend(rest + nodes + softmax)
+    onnx.checker.check_model(model)
+    return model
+
+
+def rollout_tests(xs_tr, y_tr, xs_te, y_te, golden_x, f32_model):
+    """The bad candidates of the rollout tests, under tests/models/."""
+    out = ROOT.parent / "tests" / "models"
+    tmp = ROOT / ".tmp"
+    wrong = MLPClassifier(hidden_layer_sizes=(32,), max_iter=400, random_state=SEED, alpha=1e-3)
+    wrong.fit(xs_tr, (y_tr + 1) % 10)
+    wrong_f32 = tmp / "wrong_f32.onnx"
+    onnx.save(mlp_to_onnx(wrong, "digits_wrong_labels"), wrong_f32)
+    wrong_path = tmp / "wrong.onnx"
+    quantize(wrong_f32, wrong_path, xs_tr)
+    write_version("digits", wrong_path, "int8", accuracy(wrong_path, xs_te, y_te),
+                  "models/produce.py --rollout-tests: digits trained on labels shifted by one ((y + 1) mod 10), "
+                  "quantised as digits is: a wrong candidate",
+                  golden_x, 0.02, vdir=out / "digits-wrong-labels", version="2")
+    slow_path = tmp / "slow.onnx"
+    onnx.save(with_slow_branch(f32_model), slow_path)
+    write_version("digits", slow_path, "f32", accuracy(slow_path, xs_te, y_te),
+                  "models/produce.py --rollout-tests: the f32 digits plus 200 shared 512x512 matmuls scaled "
+                  "by 1e-30 into the logits: the same answers, much slower",
+                  golden_x, 1e-4, vdir=out / "digits-slow", version="2")
 
 
 def main():
@@ -212,6 +272,13 @@ def main():
     large_path = tmp / "digits_large.onnx"
     onnx.save(mlp_to_onnx(large, "digits_large"), large_path)
     acc_large = accuracy(large_path, xs_te, y_te)
+
+    if "--rollout-tests" in sys.argv:
+        rollout_tests(xs_tr, y_tr, xs_te, y_te, golden_x, mlp_to_onnx(small, "digits_slow"))
+        for p in tmp.iterdir():
+            p.unlink()
+        tmp.rmdir()
+        return 0
 
     write_version("digits", int8_path, "int8", acc_int8,
                   "models/produce.py: MLP 64-32-10 (scikit-learn MLPClassifier, seed 0) on load_digits, "

@@ -5,7 +5,7 @@
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
-use crate::rollout::{Asker, Decision, Deployments, ModelReport, RolloutError};
+use crate::rollout::{Asker, Decision, Deployments, ModelReport, Plan, RolloutError};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -101,8 +101,17 @@ pub async fn cache_purge(
 pub enum Change {
     /// `version`, or the newest, becomes stable.
     Promote { model: String, version: Option<String> },
-    /// The stable before the current one serves again.
+    /// The stable before the current one serves again (or, during a
+    /// rollout, stable alone).
     Rollback { model: String },
+    /// `version` is tried on part of the traffic, judged by gates.
+    Rollout {
+        model: String,
+        version: String,
+        mode: Option<String>,
+        steps: Option<String>,
+        gates: Option<String>,
+    },
 }
 
 pub async fn models_status(
@@ -147,6 +156,19 @@ pub async fn models_change(
                 format!("{base}/models/promote?model={}", query_value(model))
             }
             Change::Rollback { model } => format!("{base}/models/rollback?model={}", query_value(model)),
+            Change::Rollout { model, version, mode, steps, gates } => {
+                let mut url = format!(
+                    "{base}/models/rollout?model={}&version={}",
+                    query_value(model),
+                    query_value(version)
+                );
+                for (key, value) in [("mode", mode), ("steps", steps), ("gates", gates)] {
+                    if let Some(v) = value {
+                        url.push_str(&format!("&{key}={}", query_value(v)));
+                    }
+                }
+                url
+            }
         };
         match send(config, "POST", &url).await {
             Ok(body) => return Ok((decode(&url, &body)?, Source::Node(base.clone()))),
@@ -166,6 +188,18 @@ pub async fn models_change(
         )?,
         Change::Rollback { model } => {
             deployments.rollback(model, &available, &Asker::named("models rollback (no node)"), now_s)?
+        }
+        Change::Rollout { model, version, mode, steps, gates } => {
+            let policy = config.rollout_policy(model);
+            let plan =
+                Plan::new(Some(version), mode.as_deref(), &policy, (steps.as_deref(), gates.as_deref()))?;
+            deployments.start_rollout(
+                model,
+                plan,
+                &available,
+                &Asker::named("models rollout (no node)"),
+                now_s,
+            )?
         }
     };
     deployments.save(&config.node.state_dir)?;

@@ -1,6 +1,9 @@
 //! `edgeinfer serve --config FILE`: TOML, every key defaulted, and
 //! `EDGEINFER_<SECTION>__<KEY>` environment variables over the file.
 
+mod rollout;
+
+pub use rollout::{AutoRollout, OnInconclusive, RolloutMode, RolloutPolicy};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -344,6 +347,11 @@ pub struct ModelConfig {
     /// How long this model's answers stay cached; 0: never cache them (for a
     /// model whose answers change with time). Default: `cache.ttl_s`.
     pub cache_ttl_s: Option<u64>,
+    /// What a new version found by a reload starts: `off` (it is just the
+    /// newest), `canary` or `shadow` (a rollout judged by `rollout`'s gates).
+    pub auto_rollout: AutoRollout,
+    /// How this model's rollouts step and what their gates allow.
+    pub rollout: RolloutPolicy,
 }
 
 impl Default for NodeConfig {
@@ -465,6 +473,8 @@ impl Default for ModelConfig {
             max_delay_us: None,
             latency_budget_ms: None,
             cache_ttl_s: None,
+            auto_rollout: AutoRollout::Off,
+            rollout: RolloutPolicy::default(),
         }
     }
 }
@@ -539,6 +549,11 @@ impl Config {
     pub fn cache_ttl(&self, model: &str) -> std::time::Duration {
         let s = self.models.get(model).and_then(|m| m.cache_ttl_s).unwrap_or(self.cache.ttl_s);
         std::time::Duration::from_secs(s)
+    }
+
+    /// How `model`'s rollouts step and judge (its `[models.NAME.rollout]`).
+    pub fn rollout_policy(&self, model: &str) -> RolloutPolicy {
+        self.models.get(model).map(|m| m.rollout.clone()).unwrap_or_default()
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -881,6 +896,9 @@ impl Config {
                     &format!("models.{name}.threshold"),
                     format!("{}: use a confidence between 0.0 and 1.0", model.threshold),
                 );
+            }
+            if let Err((key, message)) = model.rollout.check() {
+                return bad(&format!("models.{name}.rollout.{key}"), message);
             }
         }
         Ok(())

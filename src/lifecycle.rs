@@ -298,6 +298,8 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
             }
         }
     }
+    // Before the swap, so a new version never serves everyone first.
+    start_auto_rollouts(engine, &registry, &config);
     let deployments = engine.rollout().map(|r| r.current());
     let stable = |m: &str| deployments.as_deref().and_then(|d| d.stable(m));
     let serving = registry.serving(stable).map(|m| format!("{} v{}", m.name(), m.version())).collect();
@@ -307,6 +309,31 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
     engine.set_config(&config);
     crate::telemetry::describe_models(Some(&previous), &registry);
     Ok((config, Reloaded { serving, refused, refused_summary }))
+}
+
+/// `models.NAME.auto_rollout`: the newest version a reload finds that was
+/// not loaded before starts a rollout instead of serving. A version that
+/// failed its checks is not in `registry`, so it never starts one. A
+/// rollout that cannot start (one is running already) is logged.
+fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) {
+    let Some(rollout) = engine.rollout() else { return };
+    let (before, available) = (engine.registry().available(), registry.available());
+    for (model, versions) in &available {
+        let model_config = config.models.get(model);
+        let Some(mode) = model_config.and_then(|m| m.auto_rollout.mode()) else { continue };
+        let Some(newest) = versions.last() else { continue };
+        let known = before.get(model).is_some_and(|v| v.contains(newest));
+        if known {
+            continue;
+        }
+        let plan =
+            crate::rollout::Plan { version: newest.clone(), mode, policy: config.rollout_policy(model) };
+        let by = crate::rollout::Asker::named("auto_rollout (reload)");
+        match rollout.start_rollout_blocking(model, plan, available.clone(), by) {
+            Ok(d) => tracing::info!("reload: {model} v{newest}: {}", d.reason),
+            Err(e) => tracing::warn!("reload: {model} v{newest} did not start a rollout: {e}"),
+        }
+    }
 }
 
 /// The settings changed since `started` (the config the process started

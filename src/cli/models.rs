@@ -1,4 +1,4 @@
-//! `edgeinfer models list|verify|profile|compare|status|promote|rollback`:
+//! `edgeinfer models list|verify|profile|compare|status|promote|rollback|rollout`:
 //! what is in the models directory, whether it loads, where its time goes,
 //! which to serve, and which version serves.
 
@@ -77,6 +77,38 @@ pub enum ModelsCommand {
         #[command(flatten)]
         target: deploy::Target,
     },
+    /// Try a version on part of the traffic before it serves everyone, judged
+    /// by the node from its own figures at each step: error rate, p99
+    /// latency against stable's, label agreement with stable on the same
+    /// inputs, and escalation rate (with a cloud tier). `canary` gives the
+    /// candidate a growing share of devices (sticky per reply topic) and
+    /// promotes it after the last step; `shadow` runs it beside stable and
+    /// devices only ever get stable's answers; `ab` keeps a fixed split with
+    /// figures per version and decides nothing. A failing gate rolls back at
+    /// once; a step short of samples waits and, after max_wait_s, holds (or
+    /// rolls back). `models status` shows the step, the gates and the
+    /// figures; `models promote` or `models rollback` end it any time.
+    Rollout {
+        /// The model's name.
+        model: String,
+        /// The candidate version (a directory already loaded).
+        version: String,
+        /// canary, shadow or ab.
+        #[arg(long, default_value = "canary")]
+        mode: String,
+        /// The canary's shares of devices in percent, ending at 100; default
+        /// models.NAME.rollout.steps (5,25,50,100).
+        #[arg(long)]
+        steps: Option<String>,
+        /// Gate settings over models.NAME.rollout's, as KEY=VALUE,...: bake_s,
+        /// min_requests, max_wait_s, on_inconclusive (hold|rollback),
+        /// max_error_rate_increase, max_p99_ratio, p99_slack_ms,
+        /// min_agreement, max_escalation_increase, compare_share, ab_share.
+        #[arg(long)]
+        gates: Option<String>,
+        #[command(flatten)]
+        target: deploy::Target,
+    },
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized
     /// plan runs integer or float kernels, and time it. Exits 1 when any
@@ -98,6 +130,10 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
         ModelsCommand::Rollback { model, target } => {
             return deploy::change(config, Change::Rollback { model }, target);
         }
+        ModelsCommand::Rollout { model, version, mode, steps, gates, target } => {
+            let change = Change::Rollout { model, version, mode: Some(mode), steps, gates };
+            return deploy::change(config, change, target);
+        }
         other => other,
     };
     let registry = super::load_models(config, false)?;
@@ -108,7 +144,10 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
         }
         ModelsCommand::Verify { iterations } => verify(&registry, iterations),
         ModelsCommand::Compare(args) => compare::run(config, registry, args),
-        ModelsCommand::Status { .. } | ModelsCommand::Promote { .. } | ModelsCommand::Rollback { .. } => {
+        ModelsCommand::Status { .. }
+        | ModelsCommand::Promote { .. }
+        | ModelsCommand::Rollback { .. }
+        | ModelsCommand::Rollout { .. } => {
             unreachable!("answered above")
         }
     }

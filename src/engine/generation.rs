@@ -12,7 +12,7 @@ use std::sync::Arc;
 pub struct Generation {
     pub registry: Arc<Registry>,
     /// Every loaded version's inference threads, looked up as the models are.
-    pub runners: Versions<Runner>,
+    pub runners: Versions<Arc<Runner>>,
     pub options: EngineOptions,
     /// Answers per model in service, by name; carried across reloads.
     pub answered: HashMap<String, Arc<Answered>>,
@@ -28,7 +28,7 @@ impl Generation {
     ) -> Result<Generation, SpawnError> {
         let runners = registry.try_map(|m| {
             let policy = options.batching(m.name()).clone();
-            Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity)
+            Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity).map(Arc::new)
         })?;
         let answered = registry
             .active()

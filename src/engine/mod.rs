@@ -1,7 +1,7 @@
 //! The request pipeline every transport shares. `Engine::run` reads as its
 //! stages, each in the file named after it:
 //! decode -> resolve -> preprocess -> cache -> batch/run -> postprocess ->
-//! cascade -> capture -> store -> encode.
+//! trial -> cascade -> capture -> store -> encode.
 
 mod batch;
 pub mod cache;
@@ -17,6 +17,7 @@ mod preprocess;
 mod resolve;
 mod run;
 mod stats;
+mod trial;
 
 pub use batch::BatchPolicy;
 pub use cache::{Cache, CacheOptions};
@@ -144,6 +145,39 @@ impl Engine {
         self.rollout.as_ref()
     }
 
+    /// `models status`: each model's deployment (or `model`'s), with the
+    /// figures of a rollout's step as last judged.
+    pub fn models_report(
+        &self,
+        model: Option<&str>,
+    ) -> Result<Vec<crate::rollout::ModelReport>, crate::rollout::RolloutError> {
+        let Some(rollout) = &self.rollout else { return Err(crate::rollout::RolloutError::Stopped) };
+        let registry = self.registry();
+        let mut report = rollout.current().report(&registry.available(), &registry.fingerprints(), model)?;
+        let trials = rollout.trials();
+        for m in &mut report {
+            m.trial = trials
+                .get(&m.model)
+                .filter(|t| m.candidate.as_ref().is_some_and(|c| c.version == t.version))
+                .cloned();
+        }
+        Ok(report)
+    }
+
+    /// A rollout of `model` v`version` as `models rollout` asks for it: the
+    /// mode (default canary) and the model's policy in service with the
+    /// command's overrides.
+    pub fn rollout_plan(
+        &self,
+        version: Option<&str>,
+        mode: Option<&str>,
+        model: &str,
+        overrides: (Option<&str>, Option<&str>),
+    ) -> Result<crate::rollout::Plan, crate::rollout::RolloutError> {
+        let (policy, _) = self.current().options.rollout(model);
+        crate::rollout::Plan::new(version, mode, &policy, overrides)
+    }
+
     /// The deployment state in service, if there is one.
     fn deployments(&self) -> Option<Arc<Deployments>> {
         self.rollout.as_ref().map(Rollout::current)
@@ -228,8 +262,8 @@ impl Engine {
         }
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
         let deployments = self.deployments();
-        let stable = deployments.as_deref().and_then(|d| d.stable(envelope.model));
-        let runner = resolve::resolve(&generation.runners, &envelope, &req, stable)?;
+        let route = resolve::resolve(&generation.runners, &envelope, &req, deployments.as_deref())?;
+        let runner = route.runner;
         let model = runner.model();
         let prepared = preprocess::prepare(model, &req, &generation.options.limits)?;
         let options = &generation.options;
@@ -245,9 +279,26 @@ impl Engine {
                     Lookup::Bypass => None,
                 };
                 let edge = async {
-                    let outputs = runner.run(prepared, deadline.at()).await?;
                     let node = &generation.options.node_id;
-                    postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
+                    // Only a request taking part in a rollout reports to it.
+                    let trial =
+                        route.trial.as_ref().and_then(|t| Some((t, self.rollout.as_ref()?.observer())));
+                    let compare = trial.as_ref().filter(|(t, _)| t.compare).map(|_| prepared.clone());
+                    let started = Instant::now();
+                    let answer = match runner.run(prepared, deadline.at()).await {
+                        Ok(outputs) => {
+                            postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if let Some((trial, observer)) = trial {
+                        let threshold = escalation.map(|(_, policy)| policy.threshold);
+                        let settings =
+                            trial::Settings { observer, node, measure: cascade.measure(), threshold };
+                        let latency = started.elapsed();
+                        trial::report(&settings, trial, model, &req, &answer, latency, compare);
+                    }
+                    answer
                 };
                 let response = cascade.answer(model, &req, edge).await?;
                 // A provisional answer is not kept: the cloud's follows it.
@@ -401,6 +452,7 @@ impl Engine {
             registry: self.registry(),
             serving: self.serving().iter().map(|m| (m.name().to_string(), m.version().to_string())).collect(),
             deployments: self.deployments(),
+            trials: self.rollout.as_ref().map(Rollout::trials).unwrap_or_default(),
             config_sha256: self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()).clone(),
             requests: self.request_counts(),
             cache: self.cache.health(),

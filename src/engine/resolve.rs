@@ -1,23 +1,80 @@
 //! Stage 2: which model version answers, found together with the inference
 //! threads that run it, so the two cannot disagree. The version a transport
 //! names (`/v2/models/M/versions/V/infer`) wins over
-//! `parameters.model_version`, which wins over the stable version the
-//! deployment state pins (`rollout`), which wins over the newest. Canary
-//! and shadow routing belong here.
+//! `parameters.model_version`, which wins over the deployment state: during
+//! a rollout the candidate answers its share of devices (sticky by reply
+//! topic, so a device does not flip between versions), otherwise the stable
+//! version it pins, otherwise the newest.
 
 use super::envelope::Envelope;
 use super::run::Runner;
+use crate::config::RolloutMode;
 use crate::model::Versions;
 use crate::protocol::{InferError, InferRequest};
+use crate::rollout::Deployments;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+/// Where a request goes.
+pub struct Route<'g> {
+    pub runner: &'g Arc<Runner>,
+    /// During a rollout: its answer is reported to the rollout, and maybe
+    /// also run on the other version to compare.
+    pub trial: Option<Trial<'g>>,
+}
+
+/// A request taking part in a rollout.
+pub struct Trial<'g> {
+    /// The version that does not answer it.
+    pub other: &'g Arc<Runner>,
+    /// Whether to also run it on `other` and compare the answers.
+    pub compare: bool,
+}
 
 pub fn resolve<'g>(
-    runners: &'g Versions<Runner>,
+    runners: &'g Versions<Arc<Runner>>,
     envelope: &Envelope<'_>,
     req: &InferRequest,
-    stable: Option<&str>,
-) -> Result<&'g Runner, InferError> {
-    match envelope.version.or(req.parameters.model_version.as_deref()) {
-        Some(version) => runners.get(envelope.model, Some(version)),
-        None => runners.serving(envelope.model, stable),
+    deployments: Option<&Deployments>,
+) -> Result<Route<'g>, InferError> {
+    if let Some(version) = envelope.version.or(req.parameters.model_version.as_deref()) {
+        return Ok(Route { runner: runners.get(envelope.model, Some(version))?, trial: None });
+    }
+    let deployment = deployments.and_then(|d| d.models.get(envelope.model));
+    let stable = runners.serving(envelope.model, deployment.map(|d| d.stable.as_str()))?;
+    let plain = Route { runner: stable, trial: None };
+    let Some(candidate) = deployment.and_then(|d| d.candidate.as_ref()) else { return Ok(plain) };
+    // A candidate whose directory is gone (removed by hand): stable serves.
+    let Ok(on_trial) = runners.get(envelope.model, Some(&candidate.version)) else { return Ok(plain) };
+    let sampled = || fastrand::f64() < candidate.policy.compare_share;
+    if candidate.mode == RolloutMode::Shadow {
+        return Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: sampled() }) });
+    }
+    // The device: its reply topic (MQTT); without one (HTTP), the request.
+    let device = envelope.follow_up.map_or(req.id.as_str(), |f| f.route.topic.as_str());
+    if bucket(device) < u32::from(candidate.share()) * 100 {
+        let compare = candidate.mode == RolloutMode::Canary && sampled();
+        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare }) })
+    } else {
+        Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false }) })
+    }
+}
+
+/// The device's place in 0..10000, the same in every process (SipHash with
+/// fixed keys), so a restart keeps each device on its version.
+fn bucket(device: &str) -> u32 {
+    #[allow(deprecated)]
+    let mut hasher = std::hash::SipHasher::new();
+    device.hash(&mut hasher);
+    (hasher.finish() % 10_000) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn buckets_spread_devices_evenly_and_stay_put() {
+        let under_5 = (0..10_000).filter(|i| super::bucket(&format!("site/dev{i}/replies")) < 500).count();
+        assert!((350..650).contains(&under_5), "{under_5} of 10000 devices at 5%");
+        assert_eq!(super::bucket("a/b"), super::bucket("a/b"));
     }
 }

@@ -1,44 +1,88 @@
 //! Which version of each model serves: the deployment state one thread
-//! owns (`state.rs` holds the state and its file). Commands reach it over
+//! owns (`state.rs` holds the state and its file, `candidate.rs` a
+//! rollout's steps, `gates.rs` how a step is judged). Commands reach it over
 //! a channel, each with its own reply channel; it writes the new state to
 //! disk, then publishes it, and only then answers. Requests read the
 //! published snapshot (`Rollout::current`) to pick the version, so a
-//! rollback applies to the next request, with nothing reloaded.
+//! rollback applies to the next request, with nothing reloaded, and report
+//! what each version answered (`Rollout::observe`); once a second the
+//! thread judges each rollout's step on those figures.
 
+pub mod candidate;
+pub mod gates;
 pub mod state;
 
+pub use candidate::{Candidate, Plan};
+pub use gates::{Compared, Gate, GateResult, Seen, Trial, Verdict};
 pub use state::{
     Action, Asker, Available, Decision, Deployed, Deployment, Deployments, ModelReport, RolloutError,
     VersionRecord,
 };
 
+use gates::Window;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
+
+/// The candidate's share of devices in percent, by model (0: no rollout).
+pub const ROLLOUT_STEP: &str = "edgeinfer_rollout_step";
+/// 1 for each gate's latest result, 0 for its other results.
+pub const ROLLOUT_GATE: &str = "edgeinfer_rollout_gate";
+/// Decisions taken, by model and action.
+pub const ROLLOUT_DECISIONS: &str = "edgeinfer_rollout_decisions_total";
 
 type Answer = oneshot::Sender<Result<Decision, RolloutError>>;
 
 enum Command {
     Promote { model: String, version: Option<String>, available: Available, by: Asker, reply: Answer },
     Rollback { model: String, available: Available, by: Asker, reply: Answer },
+    Rollout { model: String, plan: Plan, available: Available, by: Asker, reply: Answer },
 }
 
 impl Command {
     fn id(&self) -> Option<&str> {
-        let (Command::Promote { by, .. } | Command::Rollback { by, .. }) = self;
+        let (Command::Promote { by, .. } | Command::Rollback { by, .. } | Command::Rollout { by, .. }) = self;
         by.command_id.as_deref()
+    }
+}
+
+/// What wakes the owner thread besides its once-a-second judging.
+enum Message {
+    Seen(Seen),
+    /// A command waits in the command channel.
+    Command,
+}
+
+/// Reports answers of the versions in a rollout to its owner thread.
+#[derive(Clone)]
+pub struct Observer(SyncSender<Message>);
+
+impl Observer {
+    /// Never waits: when the thread is behind, the answer is not counted.
+    pub fn observe(&self, seen: Seen) {
+        let _ = self.0.try_send(Message::Seen(seen));
     }
 }
 
 /// The handle requests and commands use.
 pub struct Rollout {
     commands: mpsc::Sender<Command>,
+    messages: SyncSender<Message>,
     current: Arc<RwLock<Arc<Deployments>>>,
+    trials: Arc<RwLock<Arc<BTreeMap<String, Trial>>>>,
 }
 
 /// Decisions waiting for the MQTT service to publish them on the events
 /// topic; beyond it (a broker away for long) they are logged only.
 const EVENTS: usize = 64;
+/// Answers reported and not yet counted; beyond it (the thread is behind)
+/// they are dropped, which only makes a step wait longer for its samples.
+const SEEN: usize = 4096;
+/// How often each rollout's step is judged.
+const JUDGE_EVERY: Duration = Duration::from_secs(1);
 
 impl Rollout {
     /// Reads the state in `state_dir` and starts the thread that owns it;
@@ -65,17 +109,62 @@ impl Rollout {
         };
         let state = Deployments::load(&state_dir)?;
         let current = Arc::new(RwLock::new(Arc::new(state.clone())));
+        let trials = Arc::new(RwLock::new(Arc::new(BTreeMap::new())));
         let (commands, inbox) = mpsc::channel(16);
+        let (messages, received) = sync_channel(SEEN);
         let (events, decisions) = mpsc::channel(EVENTS);
-        let published = current.clone();
+        let owner = Owner {
+            state_dir,
+            state,
+            published: current.clone(),
+            trials: trials.clone(),
+            events,
+            windows: HashMap::new(),
+        };
         std::thread::Builder::new()
             .name("rollout".into())
             .spawn(move || {
                 let _held = held;
-                own(state_dir, state, published, events, inbox)
+                owner.run(inbox, received)
             })
             .map_err(|e| RolloutError::State { path: PathBuf::from("(thread)"), reason: e.to_string() })?;
-        Ok((Rollout { commands, current }, decisions))
+        Ok((Rollout { commands, messages, current, trials }, decisions))
+    }
+
+    /// `start_rollout` for a thread outside the async runtime (a reload).
+    pub fn start_rollout_blocking(
+        &self,
+        model: &str,
+        plan: Plan,
+        available: Available,
+        by: Asker,
+    ) -> Result<Decision, RolloutError> {
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Rollout { model: model.into(), plan, available, by, reply };
+        self.commands.blocking_send(command).map_err(|_| RolloutError::Stopped)?;
+        let _ = self.messages.try_send(Message::Command);
+        answer.blocking_recv().map_err(|_| RolloutError::Stopped)?
+    }
+
+    /// Each rollout's step as last judged, by model.
+    pub fn trials(&self) -> Arc<BTreeMap<String, Trial>> {
+        self.trials.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Where requests report what the versions in a rollout answered.
+    pub fn observer(&self) -> Observer {
+        Observer(self.messages.clone())
+    }
+
+    pub async fn start_rollout(
+        &self,
+        model: &str,
+        plan: Plan,
+        available: Available,
+        by: Asker,
+    ) -> Result<Decision, RolloutError> {
+        let (reply, answer) = oneshot::channel();
+        self.ask(Command::Rollout { model: model.into(), plan, available, by, reply }, answer).await
     }
 
     /// The state in service now.
@@ -112,30 +201,76 @@ impl Rollout {
         answer: oneshot::Receiver<Result<Decision, RolloutError>>,
     ) -> Result<Decision, RolloutError> {
         self.commands.send(command).await.map_err(|_| RolloutError::Stopped)?;
+        // If the wake-up does not fit, the thread is busy counting answers
+        // and reads the command channel after each.
+        let _ = self.messages.try_send(Message::Command);
         answer.await.map_err(|_| RolloutError::Stopped)?
     }
 }
 
-/// The owner: each command on a copy of the state, which replaces the
-/// state only once it is on disk.
-fn own(
+/// The thread that owns the state and the figures of each rollout's step.
+struct Owner {
     state_dir: PathBuf,
-    mut state: Deployments,
+    state: Deployments,
     published: Arc<RwLock<Arc<Deployments>>>,
+    trials: Arc<RwLock<Arc<BTreeMap<String, Trial>>>>,
     events: mpsc::Sender<Decision>,
-    mut inbox: mpsc::Receiver<Command>,
-) {
-    while let Some(command) = inbox.blocking_recv() {
-        let mut next = state.clone();
-        let now_s =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    /// The figures of each model's step, with the step they are for.
+    windows: HashMap<String, ((String, usize, u64), Window)>,
+}
+
+impl Owner {
+    fn run(mut self, mut inbox: mpsc::Receiver<Command>, received: Receiver<Message>) {
+        let mut judged = Instant::now();
+        loop {
+            match received.recv_timeout(JUDGE_EVERY.saturating_sub(judged.elapsed())) {
+                Ok(Message::Seen(seen)) => self.count(&seen),
+                Ok(Message::Command) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            loop {
+                match inbox.try_recv() {
+                    Ok(command) => self.command(command),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            if judged.elapsed() >= JUDGE_EVERY {
+                judged = Instant::now();
+                self.judge();
+            }
+        }
+    }
+
+    /// `seen` into its model's window, if it is an answer of the candidate
+    /// or of stable during a rollout.
+    fn count(&mut self, seen: &Seen) {
+        let Some(deployment) = self.state.models.get(&seen.model) else { return };
+        let Some(candidate) = &deployment.candidate else { return };
+        let is_candidate = seen.version == candidate.version;
+        if !is_candidate && seen.version != deployment.stable {
+            return;
+        }
+        let step = (candidate.version.clone(), candidate.step, candidate.step_started_s);
+        let (for_step, window) = self.windows.entry(seen.model.clone()).or_default();
+        if *for_step != step {
+            (*for_step, *window) = (step, Window::default());
+        }
+        window.record(seen, is_candidate);
+    }
+
+    fn command(&mut self, command: Command) {
         // A command that came again (redelivered after a restart) gets the
         // decision it already took, and changes nothing.
-        if let Some(taken) = command.id().and_then(|id| state.taken(id)).cloned() {
-            let (Command::Promote { reply, .. } | Command::Rollback { reply, .. }) = command;
+        if let Some(taken) = command.id().and_then(|id| self.state.taken(id)).cloned() {
+            let (Command::Promote { reply, .. }
+            | Command::Rollback { reply, .. }
+            | Command::Rollout { reply, .. }) = command;
             let _ = reply.send(Ok(taken));
-            continue;
+            return;
         }
+        let now_s = unix_now();
+        let mut next = self.state.clone();
         let (outcome, reply) = match command {
             Command::Promote { model, version, available, by, reply } => {
                 (next.promote(&model, version.as_deref(), &available, &by, now_s), reply)
@@ -143,29 +278,80 @@ fn own(
             Command::Rollback { model, available, by, reply } => {
                 (next.rollback(&model, &available, &by, now_s), reply)
             }
-        };
-        let outcome = outcome.and_then(|decision| {
-            next.save(&state_dir)?;
-            Ok(decision)
-        });
-        if let Ok(d) = &outcome {
-            tracing::info!(
-                "rollout: {} {}: v{} -> v{} (by {}: {})",
-                d.model,
-                d.action.as_str(),
-                d.from,
-                d.version,
-                d.by,
-                d.reason
-            );
-            state = next;
-            *published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(state.clone());
-            if events.try_send(d.clone()).is_err() {
-                tracing::warn!(
-                    "rollout: the events topic lags; this decision is in the log and the status only"
-                );
+            Command::Rollout { model, plan, available, by, reply } => {
+                (next.start_rollout(&model, plan, &available, &by, now_s), reply)
             }
-        }
+        };
+        let outcome = outcome.and_then(|decision| self.apply(next, decision));
         let _ = reply.send(outcome);
     }
+
+    /// Judges each rollout's step, publishes the figures, and takes the
+    /// decision the gates call for.
+    fn judge(&mut self) {
+        let now_s = unix_now();
+        let mut trials = BTreeMap::new();
+        let mut verdicts = Vec::new();
+        for (model, candidate) in self.state.candidates() {
+            let step = (candidate.version.clone(), candidate.step, candidate.step_started_s);
+            let (for_step, window) = self.windows.entry(model.clone()).or_default();
+            if *for_step != step {
+                (*for_step, *window) = (step, Window::default());
+            }
+            let trial = window.trial(model, candidate);
+            for gate in &trial.gates {
+                for result in GateResult::ALL {
+                    let labels = [
+                        ("model", model.clone()),
+                        ("gate", gate.gate.clone()),
+                        ("result", result.as_str().into()),
+                    ];
+                    metrics::gauge!(ROLLOUT_GATE, &labels).set(if result == gate.result { 1.0 } else { 0.0 });
+                }
+            }
+            metrics::gauge!(ROLLOUT_STEP, "model" => model.clone()).set(f64::from(candidate.share()));
+            verdicts.push((model.clone(), gates::verdict(candidate, trial.gates.clone(), now_s)));
+            trials.insert(model.clone(), trial);
+        }
+        *self.trials.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(trials);
+        for (model, verdict) in verdicts {
+            let mut next = self.state.clone();
+            if let Some(decision) = next.judged(&model, verdict, now_s)
+                && let Err(e) = self.apply(next, decision)
+            {
+                tracing::error!("rollout of {model}: the decision could not be saved ({e}); it is retried");
+            }
+        }
+    }
+
+    /// `next` on disk, then in service; the decision logged, counted and
+    /// sent to the events topic.
+    fn apply(&mut self, next: Deployments, decision: Decision) -> Result<Decision, RolloutError> {
+        next.save(&self.state_dir)?;
+        let d = &decision;
+        tracing::info!(
+            "rollout: {} {}: v{} -> v{} (by {}: {})",
+            d.model,
+            d.action.as_str(),
+            d.from,
+            d.version,
+            d.by,
+            d.reason
+        );
+        metrics::counter!(ROLLOUT_DECISIONS, "model" => d.model.clone(), "action" => d.action.label())
+            .increment(1);
+        if next.models.get(&d.model).is_none_or(|m| m.candidate.is_none()) {
+            metrics::gauge!(ROLLOUT_STEP, "model" => d.model.clone()).set(0.0);
+        }
+        self.state = next;
+        *self.published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(self.state.clone());
+        if self.events.try_send(decision.clone()).is_err() {
+            tracing::warn!("rollout: the events topic lags; this decision is in the log and the status only");
+        }
+        Ok(decision)
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }

@@ -5,6 +5,8 @@
 //! any moment leaves the old state or the new, never a torn one. A node
 //! without the file serves as it always did: the newest version.
 
+use super::candidate::Candidate;
+use super::gates::Gate;
 use crate::model::Fingerprints;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -25,6 +27,10 @@ pub enum RolloutError {
     NothingToRollBack { model: String, why: String },
     #[error("model {model} v{version} is already stable")]
     AlreadyStable { model: String, version: String },
+    #[error("model {model} has v{version} in a {mode} rollout; promote or roll it back first")]
+    InRollout { model: String, version: String, mode: &'static str },
+    #[error("{0}")]
+    BadPolicy(String),
     #[error("the deployment state {path}: {reason}")]
     State { path: PathBuf, reason: String },
     #[error("the rollout task has stopped")]
@@ -37,7 +43,10 @@ impl RolloutError {
     pub fn code(&self) -> &'static str {
         match self {
             RolloutError::UnknownModel { .. } | RolloutError::UnknownVersion { .. } => "unknown_model",
-            RolloutError::NothingToRollBack { .. } | RolloutError::AlreadyStable { .. } => "conflict",
+            RolloutError::NothingToRollBack { .. }
+            | RolloutError::AlreadyStable { .. }
+            | RolloutError::InRollout { .. } => "conflict",
+            RolloutError::BadPolicy(_) => "invalid_payload",
             RolloutError::State { .. } | RolloutError::Stopped => "internal",
         }
     }
@@ -48,6 +57,12 @@ impl RolloutError {
 pub enum Action {
     Promoted,
     RolledBack,
+    /// A rollout of a candidate began.
+    Started,
+    /// The candidate's gates passed and it moved to the next step.
+    Stepped,
+    /// The step's gates lacked data for too long; it waits for a person.
+    Held,
 }
 
 impl Action {
@@ -55,6 +70,20 @@ impl Action {
         match self {
             Action::Promoted => "promoted",
             Action::RolledBack => "rolled back",
+            Action::Started => "started a rollout",
+            Action::Stepped => "stepped",
+            Action::Held => "held",
+        }
+    }
+
+    /// As the metrics' `action` label and the JSON name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Action::Promoted => "promoted",
+            Action::RolledBack => "rolled_back",
+            Action::Started => "started",
+            Action::Stepped => "stepped",
+            Action::Held => "held",
         }
     }
 }
@@ -79,9 +108,10 @@ pub struct Decision {
     pub model: String,
     pub at_s: u64,
     pub action: Action,
-    /// The version that became stable.
+    /// The version that became stable; for a rollout's start, step or hold,
+    /// the candidate.
     pub version: String,
-    /// The version that was stable before.
+    /// The version that was stable before (or the candidate rolled back).
     pub from: String,
     /// Who asked: `models promote` (a terminal), `http`, ...
     pub by: String,
@@ -91,6 +121,38 @@ pub struct Decision {
     /// is not applied twice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command_id: Option<String>,
+    /// The gates' figures a rollout decision was taken on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gates: Vec<Gate>,
+}
+
+impl Decision {
+    pub(super) fn new(
+        model: &str,
+        action: Action,
+        version: &str,
+        from: &str,
+        asker: &Asker,
+        now_s: u64,
+    ) -> Decision {
+        let reason = match action {
+            Action::Promoted => "promoted by command",
+            Action::RolledBack => "rolled back by command",
+            Action::Started => "rollout started by command",
+            Action::Stepped | Action::Held => "by the rollout's gates",
+        };
+        Decision {
+            model: model.into(),
+            at_s: now_s,
+            action,
+            version: version.into(),
+            from: from.into(),
+            by: asker.by.clone(),
+            reason: reason.into(),
+            command_id: asker.command_id.clone(),
+            gates: Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -103,6 +165,9 @@ pub struct Deployment {
     /// When each version last became stable, and by which command.
     #[serde(default)]
     pub deployed: BTreeMap<String, Deployed>,
+    /// A version being tried on part of the traffic, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<Candidate>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -208,11 +273,13 @@ impl Deployments {
             return Err(RolloutError::AlreadyStable { model: model.into(), version });
         }
         let deployment = self.models.entry(model.to_string()).or_default();
+        // Promoting ends a rollout, whichever version it promotes.
+        deployment.candidate = None;
         if !from.is_empty() {
             deployment.previous.push(from.clone());
             keep_last(&mut deployment.previous);
         }
-        Ok(decide(deployment, model, Action::Promoted, version, from, asker, now_s))
+        Ok(record(deployment, Decision::new(model, Action::Promoted, &version, &from, asker, now_s)))
     }
 
     /// Returns `model` to the stable before the current one (without state:
@@ -225,6 +292,10 @@ impl Deployments {
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
         let versions = versions_of(model, available)?;
+        // During a rollout, a rollback ends it: all traffic to stable.
+        if let Some(decision) = self.abandon(model, asker, now_s, None) {
+            return Ok(decision);
+        }
         let from = self.serving(model, available).unwrap_or_default().to_string();
         let deployment = self.models.entry(model.to_string()).or_default();
         // The last earlier stable that can still serve; without any, the
@@ -248,7 +319,7 @@ impl Deployments {
                 why: format!("v{from} is the oldest version here"),
             });
         };
-        Ok(decide(deployment, model, Action::RolledBack, version, from, asker, now_s))
+        Ok(record(deployment, Decision::new(model, Action::RolledBack, &version, &from, asker, now_s)))
     }
 }
 
@@ -266,6 +337,12 @@ pub struct ModelReport {
     /// Per version: its files' hashes and when it was deployed, by what.
     pub records: Vec<VersionRecord>,
     pub history: Vec<Decision>,
+    /// The rollout in progress: its candidate, mode, step and policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<Candidate>,
+    /// Its figures and gates at this step (only a running node has them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trial: Option<super::gates::Trial>,
 }
 
 impl Deployments {
@@ -308,6 +385,8 @@ impl Deployments {
                         })
                         .collect(),
                     history: deployment.map(|d| d.history.clone()).unwrap_or_default(),
+                    candidate: deployment.and_then(|d| d.candidate.clone()),
+                    trial: None,
                 }
             })
             .collect())
@@ -332,47 +411,32 @@ pub fn lock(state_dir: &Path) -> Result<Option<std::fs::File>, RolloutError> {
     }
 }
 
-fn versions_of<'a>(model: &str, available: &'a Available) -> Result<&'a Vec<String>, RolloutError> {
+pub(super) fn versions_of<'a>(
+    model: &str,
+    available: &'a Available,
+) -> Result<&'a Vec<String>, RolloutError> {
     available.get(model).filter(|v| !v.is_empty()).ok_or_else(|| RolloutError::UnknownModel {
         model: model.into(),
         known: available.keys().cloned().collect::<Vec<_>>().join(", "),
     })
 }
 
-/// `version` becomes stable: recorded as deployed and in the history.
-fn decide(
-    deployment: &mut Deployment,
-    model: &str,
-    action: Action,
-    version: String,
-    from: String,
-    asker: &Asker,
-    now_s: u64,
-) -> Decision {
-    let reason = match action {
-        Action::Promoted => "promoted by command",
-        Action::RolledBack => "rolled back by command",
-    };
-    let decision = Decision {
-        model: model.into(),
-        at_s: now_s,
-        action,
-        version,
-        from,
-        by: asker.by.clone(),
-        reason: reason.into(),
-        command_id: asker.command_id.clone(),
-    };
-    deployment.stable = decision.version.clone();
-    let deployed = Deployed { at_s: now_s, by: asker.by.clone() };
-    deployment.deployed.insert(decision.version.clone(), deployed);
+/// `decision` in the history; a promotion or a rollback to another
+/// version makes its version stable, recorded as deployed.
+pub(super) fn record(deployment: &mut Deployment, decision: Decision) -> Decision {
+    let changes_stable = matches!(decision.action, Action::Promoted | Action::RolledBack);
+    if changes_stable && deployment.stable != decision.version {
+        deployment.stable = decision.version.clone();
+        let deployed = Deployed { at_s: decision.at_s, by: decision.by.clone() };
+        deployment.deployed.insert(decision.version.clone(), deployed);
+    }
     deployment.history.push(decision.clone());
     keep_last(&mut deployment.history);
     decision
 }
 
 /// Drops the oldest entries beyond `HISTORY`.
-fn keep_last<T>(entries: &mut Vec<T>) {
+pub(super) fn keep_last<T>(entries: &mut Vec<T>) {
     let excess = entries.len().saturating_sub(HISTORY);
     entries.drain(..excess);
 }

@@ -159,6 +159,15 @@ pub fn install() -> Option<PrometheusHandle> {
         .install_recorder()
         .ok()?;
     metrics::describe_counter!(REQUESTS, "Requests answered, by model, version, transport and outcome");
+    metrics::describe_gauge!(
+        crate::rollout::ROLLOUT_STEP,
+        "The rollout candidate's share of devices in percent (0: no rollout)"
+    );
+    metrics::describe_gauge!(
+        crate::rollout::ROLLOUT_GATE,
+        "1 for each rollout gate's latest result (pass, fail, inconclusive, off), 0 for the others"
+    );
+    metrics::describe_counter!(crate::rollout::ROLLOUT_DECISIONS, "Rollout decisions, by model and action");
     metrics::describe_histogram!(STAGE_SECONDS, metrics::Unit::Seconds, "Time per pipeline stage");
     metrics::describe_histogram!(BATCH_ROWS, "Rows per batch run");
     metrics::describe_gauge!(QUEUE_DEPTH, "Requests waiting in the model's queue");

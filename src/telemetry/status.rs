@@ -1,7 +1,7 @@
 //! The retained status message.
 
 use crate::model::{LoadedModel, Registry};
-use crate::rollout::{Decision, Deployments};
+use crate::rollout::{Candidate, Decision, Deployments, Trial};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -74,9 +74,19 @@ pub struct RolloutStatus {
     pub previous: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_decision: Option<Decision>,
+    /// A rollout in progress: the candidate, its mode, step and share.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidate: Option<Candidate>,
+    /// Its step as last judged: each gate with its figures, and each
+    /// version's figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trial: Option<Trial>,
 }
 
-fn rollout(deployments: Option<&Deployments>) -> BTreeMap<String, RolloutStatus> {
+fn rollout(
+    deployments: Option<&Deployments>,
+    trials: &BTreeMap<String, Trial>,
+) -> BTreeMap<String, RolloutStatus> {
     let Some(deployments) = deployments else { return BTreeMap::new() };
     deployments
         .models
@@ -86,6 +96,11 @@ fn rollout(deployments: Option<&Deployments>) -> BTreeMap<String, RolloutStatus>
                 stable: d.stable.clone(),
                 previous: d.previous.last().cloned(),
                 last_decision: d.history.last().cloned(),
+                candidate: d.candidate.clone(),
+                trial: trials
+                    .get(name)
+                    .filter(|t| d.candidate.as_ref().is_some_and(|c| c.version == t.version))
+                    .cloned(),
             };
             (name.clone(), status)
         })
@@ -99,6 +114,8 @@ pub struct EngineSnapshot {
     /// The version of each model that answers a request naming none.
     pub serving: Vec<(String, String)>,
     pub deployments: Option<std::sync::Arc<Deployments>>,
+    /// Each rollout's step as last judged.
+    pub trials: std::sync::Arc<BTreeMap<String, Trial>>,
     pub config_sha256: Option<String>,
     pub requests: std::collections::BTreeMap<String, u64>,
     pub cache: CacheHealth,
@@ -185,7 +202,7 @@ impl Status {
         s.state = state;
         s.uptime_s = unix_now().saturating_sub(self.started_at);
         s.models = models(&live.registry, &live.serving, live.deployments.as_deref());
-        s.rollout = rollout(live.deployments.as_deref());
+        s.rollout = rollout(live.deployments.as_deref(), &live.trials);
         s.config_sha256 = live.config_sha256;
         s.requests = live.requests;
         s.cache = live.cache;

@@ -1,4 +1,4 @@
-//! `edgeinfer models status|promote|rollback`: which version of a model
+//! `edgeinfer models status|promote|rollback|rollout`: which version of a model
 //! serves, through the running node's admin routes, or on the deployment
 //! state file when no node runs (the node reads it at start).
 
@@ -58,6 +58,37 @@ fn print_model(m: &ModelReport) {
             short(&r.sha256),
             short(&r.manifest_sha256)
         );
+    }
+    if let Some(c) = &m.candidate {
+        let held = c.held.as_deref().map_or(String::new(), |why| format!("; held: {why}"));
+        println!(
+            "    rollout: v{} {}, {}% of devices, step {} since {} (by {}){held}",
+            c.version,
+            c.mode.as_str(),
+            c.share(),
+            c.step + 1,
+            c.step_started_s,
+            c.by
+        );
+    }
+    if let Some(t) = &m.trial {
+        let p99 = |v: Option<f64>| v.map_or("-".into(), |ms| format!("{ms:.2} ms"));
+        for (name, f) in [("stable", &t.stable), ("candidate", &t.candidate)] {
+            println!("      {name:<9} {} answers, {} errors, p99 {}", f.answers, f.errors, p99(f.p99_ms));
+        }
+        for g in &t.gates {
+            let figure = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.4}"));
+            println!(
+                "      gate {:<10} {:<12} candidate {} stable {} ({} of {} samples; allowed {})",
+                g.gate,
+                g.result.as_str(),
+                figure(g.candidate),
+                figure(g.stable),
+                g.samples,
+                g.needed,
+                g.limit
+            );
+        }
     }
     for d in m.history.iter().rev().take(5) {
         println!("    {}", describe(d));

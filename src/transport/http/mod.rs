@@ -52,6 +52,7 @@ pub fn router(
         .route("/models/status", get(models_status))
         .route("/models/promote", post(models_promote))
         .route("/models/rollback", post(models_rollback))
+        .route("/models/rollout", post(models_rollout))
         .with_state(AppState { engine, metrics, mqtt_ready, body_timeout })
         .layer(axum::middleware::from_fn_with_state(Arc::new(access), auth::guard))
 }
@@ -79,12 +80,18 @@ async fn cache_purge(State(state): State<AppState>, Query(q): Query<PurgeQuery>)
 struct ModelQuery {
     model: Option<String>,
     version: Option<String>,
+    /// `/models/rollout`: canary (default), shadow or ab; the steps as
+    /// `5,25,100` and gate settings as `key=value,...`.
+    mode: Option<String>,
+    steps: Option<String>,
+    gates: Option<String>,
 }
 
 fn rollout_error(e: &RolloutError) -> Response {
     let status = match e.code() {
         "unknown_model" => StatusCode::NOT_FOUND,
         "conflict" => StatusCode::CONFLICT,
+        "invalid_payload" => StatusCode::BAD_REQUEST,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     (status, axum::Json(serde_json::json!({"error": e.to_string()}))).into_response()
@@ -96,9 +103,10 @@ fn no_rollout() -> Response {
 }
 
 async fn models_status(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
-    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
-    let registry = state.engine.registry();
-    match rollout.current().report(&registry.available(), &registry.fingerprints(), q.model.as_deref()) {
+    if state.engine.rollout().is_none() {
+        return no_rollout();
+    }
+    match state.engine.models_report(q.model.as_deref()) {
         Ok(report) => axum::Json(report).into_response(),
         Err(e) => rollout_error(&e),
     }
@@ -123,6 +131,22 @@ async fn models_rollback(State(state): State<AppState>, Query(q): Query<ModelQue
     let available = state.engine.registry().available();
     match rollout.rollback(&model, available, Asker::named("models rollback (http)")).await {
         Ok(decision) => axum::Json(decision).into_response(),
+        Err(e) => rollout_error(&e),
+    }
+}
+
+async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
+    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    let model = q.model.unwrap_or_default();
+    let overrides = (q.steps.as_deref(), q.gates.as_deref());
+    let plan = state.engine.rollout_plan(q.version.as_deref(), q.mode.as_deref(), &model, overrides);
+    let available = state.engine.registry().available();
+    let by = Asker::named("models rollout (http)");
+    match plan {
+        Ok(plan) => match rollout.start_rollout(&model, plan, available, by).await {
+            Ok(decision) => axum::Json(decision).into_response(),
+            Err(e) => rollout_error(&e),
+        },
         Err(e) => rollout_error(&e),
     }
 }

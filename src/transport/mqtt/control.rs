@@ -1,8 +1,10 @@
 //! `PREFIX/NODE/control` (`control.enabled`, off by default): the rollout
 //! commands for fleet managers without HTTP, request/response like
 //! inference. A command is JSON: `id`, `token` (the one in
-//! `control.token_file`), `command` (`status`, `promote`, `rollback`),
-//! `model` and, for promote, `version`; its reply (to the MQTT 5 Response
+//! `control.token_file`), `command` (`status`, `promote`, `rollback`,
+//! `rollout`), `model`, for promote and rollout `version`, and for rollout
+//! optionally `mode`, `steps` and `gates` as `models rollout` takes them;
+//! its reply (to the MQTT 5 Response
 //! Topic or the payload's `reply_to`) is `{"id", "result"}` or
 //! `{"id", "error": {"code", "message"}}`.
 
@@ -26,6 +28,9 @@ struct Command {
     command: String,
     model: Option<String>,
     version: Option<String>,
+    mode: Option<String>,
+    steps: Option<String>,
+    gates: Option<String>,
     reply_to: Option<String>,
 }
 
@@ -98,18 +103,28 @@ impl ControlTask {
         let model =
             || command.model.clone().ok_or(("invalid_payload", format!("{} needs model", command.command)));
         let outcome = match command.command.as_str() {
-            "status" => rollout
-                .current()
-                .report(&available, &registry.fingerprints(), command.model.as_deref())
-                .map(|r| json!(r)),
+            "status" => self.engine.models_report(command.model.as_deref()).map(|r| json!(r)),
             "promote" => {
                 rollout.promote(&model()?, command.version.as_deref(), available, by).await.map(|d| json!(d))
             }
             "rollback" => rollout.rollback(&model()?, available, by).await.map(|d| json!(d)),
+            "rollout" => {
+                let model = model()?;
+                let overrides = (command.steps.as_deref(), command.gates.as_deref());
+                match self.engine.rollout_plan(
+                    command.version.as_deref(),
+                    command.mode.as_deref(),
+                    &model,
+                    overrides,
+                ) {
+                    Ok(plan) => rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d)),
+                    Err(e) => Err(e),
+                }
+            }
             other => {
                 return Err((
                     "invalid_payload",
-                    format!("command {other:?}: use status, promote or rollback"),
+                    format!("command {other:?}: use status, promote, rollback or rollout"),
                 ));
             }
         };

@@ -2,6 +2,7 @@
 //! where installed.
 
 mod cache;
+mod canary;
 mod cascade;
 mod embedded;
 #[cfg(feature = "failpoints")]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 /// `edgeinfer models ARGS` on `models` and `state`, its stdout as JSON when
 /// it succeeds; its stderr otherwise.
-fn models_command(models: &Path, state: &Path, args: &[&str]) -> Result<Value, String> {
+pub(super) fn models_command(models: &Path, state: &Path, args: &[&str]) -> Result<Value, String> {
     let out = Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
         .arg("--models-dir")
         .arg(models)
@@ -306,8 +306,21 @@ async fn the_control_topic_takes_commands_with_the_token_only_and_is_absent_when
     assert_eq!(status["result"][0]["history"].as_array().map(Vec::len), Some(1), "{status}");
     let unknown = ask(serde_json::json!({"id": "c5", "token": token, "command": "promote", "model": "digits", "version": "9"})).await;
     assert_eq!(unknown["error"]["code"], "unknown_model", "{unknown}");
+    let rollout = |id: &str, mode: &str| serde_json::json!({"id": id, "token": token, "command": "rollout", "model": "digits", "version": "2", "mode": mode});
+    let sideways = ask(rollout("c5b", "sideways")).await;
+    assert_eq!(sideways["error"]["code"], "invalid_payload", "{sideways}");
+    assert!(sideways["error"]["message"].as_str().unwrap().contains("canary, shadow or ab"), "{sideways}");
+    let shadow = ask(rollout("c5c", "shadow")).await;
+    assert_eq!(
+        (shadow["result"]["action"].as_str(), shadow["result"]["version"].as_str()),
+        (Some("started"), Some("2")),
+        "{shadow}"
+    );
     let junk = ask(serde_json::json!({"id": "c6", "token": token, "command": "reboot"})).await;
-    assert!(junk["error"]["message"].as_str().unwrap().contains("status, promote or rollback"), "{junk}");
+    assert!(
+        junk["error"]["message"].as_str().unwrap().contains("status, promote, rollback or rollout"),
+        "{junk}"
+    );
 
     // Off (the default): nothing listens there.
     let (_off, mqtt_off, _) =

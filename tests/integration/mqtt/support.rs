@@ -421,3 +421,20 @@ pub fn copy_digits_version(models: &std::path::Path, version: &str, break_sha: b
     }
     std::fs::write(dir.join("model.toml"), manifest).unwrap();
 }
+
+/// Version `version` of `digits` under `models`: a copy of one of the bad
+/// candidates `models/produce.py --rollout-tests` made under tests/models/.
+pub fn copy_test_version(models: &std::path::Path, candidate: &str, version: &str) {
+    let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models").join(candidate);
+    let dir = models.join("digits").join(version);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.onnx", "golden.json"] {
+        std::fs::copy(from.join(f), dir.join(f)).unwrap();
+    }
+    let manifest = std::fs::read_to_string(from.join("model.toml")).unwrap();
+    std::fs::write(
+        dir.join("model.toml"),
+        manifest.replace("version = \"2\"", &format!("version = \"{version}\"")),
+    )
+    .unwrap();
+}

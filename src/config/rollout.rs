@@ -1,0 +1,211 @@
+//! `[models.NAME.rollout]` and `models.NAME.auto_rollout`: how a new
+//! version is tried before it serves everyone. The defaults suit a gateway
+//! that sees tens of requests a minute: each step bakes ten minutes and
+//! needs 50 of the candidate's answers, and a step still short of data
+//! after a day holds rather than passes. `models rollout --steps/--gates`
+//! override them for one rollout.
+
+use serde::{Deserialize, Serialize};
+
+/// How a candidate version meets traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutMode {
+    /// A growing share of devices (sticky per reply topic) gets its answers.
+    Canary,
+    /// Devices get stable's answers only; the candidate runs on the same
+    /// inputs and its answers are compared, then dropped.
+    Shadow,
+    /// A fixed share with figures per version, and no automatic decision.
+    Ab,
+}
+
+impl RolloutMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RolloutMode::Canary => "canary",
+            RolloutMode::Shadow => "shadow",
+            RolloutMode::Ab => "ab",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<RolloutMode> {
+        [RolloutMode::Canary, RolloutMode::Shadow, RolloutMode::Ab].into_iter().find(|m| m.as_str() == text)
+    }
+}
+
+/// `models.NAME.auto_rollout`: what a new version found by a reload starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AutoRollout {
+    /// It becomes the newest version; it serves unless a stable is pinned.
+    #[default]
+    Off,
+    Canary,
+    Shadow,
+}
+
+impl AutoRollout {
+    pub fn mode(self) -> Option<RolloutMode> {
+        match self {
+            AutoRollout::Off => None,
+            AutoRollout::Canary => Some(RolloutMode::Canary),
+            AutoRollout::Shadow => Some(RolloutMode::Shadow),
+        }
+    }
+}
+
+/// What a step does when its gates still lack data at `max_wait_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnInconclusive {
+    /// Stay at this step until someone promotes or rolls back (a failing
+    /// gate still rolls back).
+    #[default]
+    Hold,
+    Rollback,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutPolicy {
+    /// The canary's shares of devices, in percent, one per step.
+    pub steps: Vec<u8>,
+    /// The candidate's share in an A/B split, in percent.
+    pub ab_share: u8,
+    /// The share of requests run a second time on the other version to
+    /// compare answers: on the candidate in shadow mode, on stable for the
+    /// candidate's canary answers.
+    pub compare_share: f64,
+    /// The least time a step lasts.
+    pub bake_s: u64,
+    /// The least samples each gate needs per step (candidate answers,
+    /// compared answers) before it may pass or fail.
+    pub min_requests: u64,
+    /// How long a step may wait for its samples before `on_inconclusive`.
+    pub max_wait_s: u64,
+    pub on_inconclusive: OnInconclusive,
+    /// Gate `error_rate`: the candidate's error rate may exceed stable's by this.
+    pub max_error_rate_increase: f64,
+    /// Gate `latency`: the candidate's p99 may be this multiple of stable's...
+    pub max_p99_ratio: f64,
+    /// ...or at most this many milliseconds above it (noise on fast models).
+    pub p99_slack_ms: f64,
+    /// Gate `agreement`: the least share of compared answers with the same label.
+    pub min_agreement: f64,
+    /// Gate `escalation` (with a cloud tier): the candidate's share of answers
+    /// below the threshold may exceed stable's by this.
+    pub max_escalation_increase: f64,
+}
+
+impl Default for RolloutPolicy {
+    fn default() -> Self {
+        RolloutPolicy {
+            steps: vec![5, 25, 50, 100],
+            ab_share: 50,
+            compare_share: 1.0,
+            bake_s: 600,
+            min_requests: 50,
+            max_wait_s: 86_400,
+            on_inconclusive: OnInconclusive::Hold,
+            max_error_rate_increase: 0.01,
+            max_p99_ratio: 1.5,
+            p99_slack_ms: 1.0,
+            min_agreement: 0.95,
+            max_escalation_increase: 0.05,
+        }
+    }
+}
+
+impl RolloutPolicy {
+    /// The policy with `models rollout`'s overrides: `steps` as `5,25,100`,
+    /// `gates` as `key=value,...` over this table's keys.
+    pub fn with_overrides(&self, steps: Option<&str>, gates: Option<&str>) -> Result<RolloutPolicy, String> {
+        let mut table = toml::Table::try_from(self).map_err(|e| e.to_string())?;
+        if let Some(steps) = steps.filter(|s| !s.is_empty()) {
+            table.insert("steps".into(), parse_value("steps", &format!("[{steps}]"))?);
+        }
+        for pair in gates.unwrap_or_default().split(',').filter(|p| !p.trim().is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| format!("--gates {pair:?}: write KEY=VALUE, e.g. max_p99_ratio=2"))?;
+            let key = key.trim();
+            if key == "steps" || !table.contains_key(key) {
+                let keys: Vec<&str> = table.keys().map(String::as_str).filter(|k| *k != "steps").collect();
+                return Err(format!("--gates {key:?} is not a gate setting; use one of {}", keys.join(", ")));
+            }
+            table.insert(key.into(), parse_value(key, value.trim())?);
+        }
+        let policy: RolloutPolicy =
+            table.try_into().map_err(|e: toml::de::Error| format!("--gates: {}", e.message()))?;
+        policy.check().map_err(|(key, why)| format!("{key}: {why}"))?;
+        Ok(policy)
+    }
+
+    /// The key and what is wrong with it, if any.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let ascending = self.steps.windows(2).all(|w| w[0] < w[1]);
+        if self.steps.is_empty() || !ascending || self.steps.last() != Some(&100) || self.steps[0] == 0 {
+            return Err((
+                "steps",
+                format!("{:?}: use ascending percentages ending at 100, e.g. [5, 25, 50, 100]", self.steps),
+            ));
+        }
+        if !(1..=99).contains(&self.ab_share) {
+            return Err(("ab_share", format!("{}: use a percentage from 1 to 99", self.ab_share)));
+        }
+        let shares = [
+            ("compare_share", self.compare_share),
+            ("min_agreement", self.min_agreement),
+            ("max_error_rate_increase", self.max_error_rate_increase),
+            ("max_escalation_increase", self.max_escalation_increase),
+        ];
+        for (key, v) in shares {
+            if !(0.0..=1.0).contains(&v) {
+                return Err((key, format!("{v}: use a share from 0.0 to 1.0")));
+            }
+        }
+        if self.max_p99_ratio < 1.0 || self.p99_slack_ms < 0.0 {
+            return Err((
+                "max_p99_ratio",
+                format!(
+                    "{} (slack {} ms): use a ratio of 1.0 or more and a slack of 0 or more",
+                    self.max_p99_ratio, self.p99_slack_ms
+                ),
+            ));
+        }
+        if self.min_requests == 0 {
+            return Err(("min_requests", "0: a gate needs at least one sample; use 1 or more".into()));
+        }
+        Ok(())
+    }
+}
+
+/// `text` as TOML reads it (`2`, `0.9`, `[5, 100]`), or else as a word
+/// (`rollback`); the key's type decides whether it fits.
+fn parse_value(key: &str, text: &str) -> Result<toml::Value, String> {
+    if text.is_empty() {
+        return Err(format!("--gates {key}= has no value"));
+    }
+    let doc: Result<toml::Table, _> = toml::from_str(&format!("v = {text}"));
+    Ok(doc.ok().and_then(|mut d| d.remove("v")).unwrap_or_else(|| toml::Value::String(text.into())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_change_the_named_keys_and_name_a_bad_one() {
+        let p = RolloutPolicy::default()
+            .with_overrides(Some("10,100"), Some("bake_s=2, min_agreement=0.9"))
+            .unwrap();
+        assert_eq!((p.steps, p.bake_s, p.min_agreement, p.min_requests), (vec![10, 100], 2, 0.9, 50));
+        let err = RolloutPolicy::default().with_overrides(None, Some("bake=2")).unwrap_err();
+        assert!(err.contains("\"bake\"") && err.contains("bake_s"), "{err}");
+        let err = RolloutPolicy::default().with_overrides(Some("50,25,100"), None).unwrap_err();
+        assert!(err.starts_with("steps:"), "{err}");
+        let err = RolloutPolicy::default().with_overrides(None, Some("on_inconclusive=wait")).unwrap_err();
+        assert!(err.contains("on_inconclusive") || err.contains("wait"), "{err}");
+    }
+}

@@ -1,0 +1,436 @@
+//! What a rollout is judged on: the figures of each version over the
+//! current step (a `Window`), the gates worked out from them, and the
+//! verdict. A gate short of samples is inconclusive; it never passes for
+//! lack of data.
+
+use super::candidate::Candidate;
+use crate::config::{RolloutMode, RolloutPolicy};
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// One answer a version gave while it was on trial (or stable beside it).
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub model: String,
+    pub version: String,
+    /// From the queue to the outputs: what the version costs a request.
+    pub latency: Duration,
+    /// It failed on the node (`internal`); a full queue or a deadline is not
+    /// the version's fault and is not reported.
+    pub failed: bool,
+    /// With a cloud tier: whether the answer fell below the threshold.
+    pub escalates: Option<bool>,
+    /// For a comparison run: whether both versions gave the same label.
+    pub compared: Compared,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compared {
+    /// The answer was not run on the other version.
+    No,
+    Agreed,
+    Disagreed,
+    /// Run on both, but the model has no labels to compare.
+    Unlabelled,
+}
+
+struct Figures {
+    answers: u64,
+    errors: u64,
+    escalations: u64,
+    /// Answers whose escalation is known (a cloud tier is on).
+    escalation_known: u64,
+    latency_us: Histogram<u64>,
+}
+
+impl Default for Figures {
+    fn default() -> Self {
+        let latency_us = Histogram::new_with_bounds(1, 600_000_000, 2).expect("valid bounds");
+        Figures { answers: 0, errors: 0, escalations: 0, escalation_known: 0, latency_us }
+    }
+}
+
+impl Figures {
+    fn record(&mut self, seen: &Seen) {
+        self.answers += 1;
+        self.errors += u64::from(seen.failed);
+        if let Some(escalates) = seen.escalates {
+            self.escalation_known += 1;
+            self.escalations += u64::from(escalates);
+        }
+        if !seen.failed {
+            self.latency_us.saturating_record(seen.latency.as_micros().max(1) as u64);
+        }
+    }
+
+    fn error_rate(&self) -> Option<f64> {
+        (self.answers > 0).then(|| self.errors as f64 / self.answers as f64)
+    }
+
+    fn p99_ms(&self) -> Option<f64> {
+        (!self.latency_us.is_empty()).then(|| self.latency_us.value_at_quantile(0.99) as f64 / 1000.0)
+    }
+
+    fn escalation_rate(&self) -> Option<f64> {
+        (self.escalation_known > 0).then(|| self.escalations as f64 / self.escalation_known as f64)
+    }
+
+    fn summary(&self) -> VersionFigures {
+        VersionFigures {
+            answers: self.answers,
+            errors: self.errors,
+            error_rate: self.error_rate(),
+            p99_ms: self.p99_ms(),
+            escalation_rate: self.escalation_rate(),
+        }
+    }
+}
+
+/// The figures of one version over the step, as the status shows them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VersionFigures {
+    pub answers: u64,
+    pub errors: u64,
+    pub error_rate: Option<f64>,
+    pub p99_ms: Option<f64>,
+    pub escalation_rate: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateResult {
+    Pass,
+    Fail,
+    /// Too few samples to say.
+    Inconclusive,
+    /// Not judged here (no cloud tier for `escalation`; no labels for
+    /// `agreement`).
+    Off,
+}
+
+impl GateResult {
+    pub const ALL: [GateResult; 4] =
+        [GateResult::Pass, GateResult::Fail, GateResult::Inconclusive, GateResult::Off];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GateResult::Pass => "pass",
+            GateResult::Fail => "fail",
+            GateResult::Inconclusive => "inconclusive",
+            GateResult::Off => "off",
+        }
+    }
+}
+
+/// One gate's judgement, with the figures it was taken on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gate {
+    /// `error_rate`, `latency`, `agreement` or `escalation`.
+    pub gate: String,
+    pub result: GateResult,
+    /// The figure judged (a rate, a p99 in ms, a share) for each version.
+    pub candidate: Option<f64>,
+    pub stable: Option<f64>,
+    /// What the policy allows.
+    pub limit: String,
+    /// The samples behind it, and how many it needs.
+    pub samples: u64,
+    pub needed: u64,
+}
+
+impl Gate {
+    fn describe(&self) -> String {
+        let show = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.4}"));
+        format!(
+            "{} {} (candidate {}, stable {}; allowed {}; {} of {} samples)",
+            self.gate,
+            self.result.as_str(),
+            show(self.candidate),
+            show(self.stable),
+            self.limit,
+            self.samples,
+            self.needed
+        )
+    }
+}
+
+/// Both versions' figures since the step began.
+#[derive(Default)]
+pub struct Window {
+    stable: Figures,
+    candidate: Figures,
+    compared: u64,
+    agreed: u64,
+    /// Comparisons made on a model without labels.
+    unlabelled: u64,
+}
+
+impl Window {
+    pub fn record(&mut self, seen: &Seen, is_candidate: bool) {
+        if is_candidate { &mut self.candidate } else { &mut self.stable }.record(seen);
+        match seen.compared {
+            Compared::Agreed | Compared::Disagreed => {
+                self.compared += 1;
+                self.agreed += u64::from(seen.compared == Compared::Agreed);
+            }
+            Compared::Unlabelled => self.unlabelled += 1,
+            Compared::No => {}
+        }
+    }
+
+    /// Every gate on these figures under `policy`, the answers' correctness
+    /// first: when several fail, the first is the reason given.
+    pub fn gates(&self, policy: &RolloutPolicy) -> Vec<Gate> {
+        let need = policy.min_requests;
+        let (c, s) = (&self.candidate, &self.stable);
+        let both = c.answers.min(s.answers);
+        let judged = |samples: u64, fails: bool| match (samples >= need, fails) {
+            (false, _) => GateResult::Inconclusive,
+            (true, true) => GateResult::Fail,
+            (true, false) => GateResult::Pass,
+        };
+        let error_fails = match (c.error_rate(), s.error_rate()) {
+            (Some(c), Some(s)) => c > s + policy.max_error_rate_increase,
+            _ => false,
+        };
+        let (cp, sp) = (c.p99_ms(), s.p99_ms());
+        let latency_fails = match (cp, sp) {
+            (Some(c), Some(s)) => c > s * policy.max_p99_ratio && c > s + policy.p99_slack_ms,
+            _ => false,
+        };
+        let latency_samples = c.latency_us.len().min(s.latency_us.len());
+        let agreement = (self.compared > 0).then(|| self.agreed as f64 / self.compared as f64);
+        let agreement_result = if self.compared == 0 && self.unlabelled > 0 {
+            GateResult::Off
+        } else {
+            judged(self.compared, agreement.is_some_and(|a| a < policy.min_agreement))
+        };
+        let (ce, se) = (c.escalation_rate(), s.escalation_rate());
+        let escalation_result = if c.escalation_known + s.escalation_known == 0 {
+            GateResult::Off
+        } else {
+            let fails = matches!((ce, se), (Some(c), Some(s)) if c > s + policy.max_escalation_increase);
+            judged(c.escalation_known.min(s.escalation_known), fails)
+        };
+        vec![
+            Gate {
+                gate: "error_rate".into(),
+                result: judged(both, error_fails),
+                candidate: c.error_rate(),
+                stable: s.error_rate(),
+                limit: format!("stable + {}", policy.max_error_rate_increase),
+                samples: both,
+                needed: need,
+            },
+            Gate {
+                gate: "agreement".into(),
+                result: agreement_result,
+                candidate: agreement,
+                stable: None,
+                limit: format!("at least {} of compared answers", policy.min_agreement),
+                samples: self.compared,
+                needed: need,
+            },
+            Gate {
+                gate: "latency".into(),
+                result: judged(latency_samples, latency_fails),
+                candidate: cp,
+                stable: sp,
+                limit: format!(
+                    "p99 within {}x of stable's or {} ms above it",
+                    policy.max_p99_ratio, policy.p99_slack_ms
+                ),
+                samples: latency_samples,
+                needed: need,
+            },
+            Gate {
+                gate: "escalation".into(),
+                result: escalation_result,
+                candidate: ce,
+                stable: se,
+                limit: format!("stable + {}", policy.max_escalation_increase),
+                samples: c.escalation_known.min(s.escalation_known),
+                needed: need,
+            },
+        ]
+    }
+
+    pub fn trial(&self, model: &str, candidate: &Candidate) -> Trial {
+        Trial {
+            model: model.into(),
+            version: candidate.version.clone(),
+            mode: candidate.mode,
+            share: candidate.share(),
+            step: candidate.step + 1,
+            steps: if candidate.mode == RolloutMode::Canary { candidate.policy.steps.len() } else { 1 },
+            step_started_s: candidate.step_started_s,
+            held: candidate.held.clone(),
+            gates: self.gates(&candidate.policy),
+            stable: self.stable.summary(),
+            candidate: self.candidate.summary(),
+            compared: self.compared,
+            agreed: self.agreed,
+        }
+    }
+}
+
+/// A rollout's step as the status shows it: the gates and each version's figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trial {
+    pub model: String,
+    pub version: String,
+    pub mode: RolloutMode,
+    /// The percentage of devices the candidate answers.
+    pub share: u8,
+    /// Which step (from 1) of how many.
+    pub step: usize,
+    pub steps: usize,
+    pub step_started_s: u64,
+    pub held: Option<String>,
+    pub gates: Vec<Gate>,
+    pub stable: VersionFigures,
+    pub candidate: VersionFigures,
+    /// Answers run on both versions, and how many of them agreed.
+    pub compared: u64,
+    pub agreed: u64,
+}
+
+/// What the gates say about a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Not yet: the step bakes, or its gates wait for samples.
+    Wait,
+    Pass {
+        gates: Vec<Gate>,
+    },
+    Fail {
+        reason: String,
+        gates: Vec<Gate>,
+    },
+    /// The samples did not come in `max_wait_s`.
+    Inconclusive {
+        reason: String,
+        gates: Vec<Gate>,
+    },
+}
+
+/// The verdict on `candidate`'s step at `now_s`, from its gates. An A/B
+/// split is never decided automatically; a held step only rolls back.
+pub fn verdict(candidate: &Candidate, gates: Vec<Gate>, now_s: u64) -> Verdict {
+    if candidate.mode == RolloutMode::Ab {
+        return Verdict::Wait;
+    }
+    if let Some(failed) = gates.iter().find(|g| g.result == GateResult::Fail) {
+        let reason = format!("gate {} failed: {}", failed.gate, failed.describe());
+        return Verdict::Fail { reason, gates };
+    }
+    if candidate.held.is_some() {
+        return Verdict::Wait;
+    }
+    let policy = &candidate.policy;
+    let baked = now_s.saturating_sub(candidate.step_started_s);
+    let short: Vec<&Gate> = gates.iter().filter(|g| g.result == GateResult::Inconclusive).collect();
+    if short.is_empty() && baked >= policy.bake_s {
+        return Verdict::Pass { gates };
+    }
+    if !short.is_empty() && baked >= policy.max_wait_s {
+        let lacking: Vec<String> =
+            short.iter().map(|g| format!("{} has {} of {}", g.gate, g.samples, g.needed)).collect();
+        let reason = format!("inconclusive after {baked} s: {} samples", lacking.join(", "));
+        return Verdict::Inconclusive { reason, gates };
+    }
+    Verdict::Wait
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(policy: RolloutPolicy) -> Candidate {
+        Candidate {
+            version: "2".into(),
+            mode: RolloutMode::Canary,
+            policy,
+            step: 0,
+            step_started_s: 100,
+            started_at_s: 100,
+            by: "test".into(),
+            held: None,
+        }
+    }
+
+    fn seen(us: u64, failed: bool, agreed: Option<bool>) -> Seen {
+        let compared = match agreed {
+            Some(true) => Compared::Agreed,
+            Some(false) => Compared::Disagreed,
+            None => Compared::No,
+        };
+        Seen {
+            model: "digits".into(),
+            version: String::new(),
+            latency: Duration::from_micros(us),
+            failed,
+            escalates: None,
+            compared,
+        }
+    }
+
+    fn policy() -> RolloutPolicy {
+        RolloutPolicy { min_requests: 20, bake_s: 10, max_wait_s: 100, ..RolloutPolicy::default() }
+    }
+
+    #[test]
+    fn too_few_samples_never_pass_and_turn_inconclusive_at_the_limit() {
+        let c = candidate(policy());
+        let mut w = Window::default();
+        for _ in 0..19 {
+            w.record(&seen(1000, false, Some(true)), true);
+            w.record(&seen(1000, false, None), false);
+        }
+        let gates = w.gates(&c.policy);
+        assert!(gates.iter().take(3).all(|g| g.result == GateResult::Inconclusive), "{gates:?}");
+        assert_eq!(gates[3].result, GateResult::Off, "no cloud tier");
+        assert_eq!(verdict(&c, gates.clone(), 150), Verdict::Wait, "baked, but short of samples");
+        let Verdict::Inconclusive { reason, .. } = verdict(&c, gates, 200) else { panic!() };
+        assert!(reason.contains("agreement has 19 of 20"), "{reason}");
+        w.record(&seen(1, false, Some(true)), true);
+        w.record(&seen(1, false, None), false);
+        assert_eq!(verdict(&c, w.gates(&c.policy), 105), Verdict::Wait, "enough samples, not baked");
+        assert!(matches!(verdict(&c, w.gates(&c.policy), 110), Verdict::Pass { .. }));
+    }
+
+    #[test]
+    fn disagreement_slowness_and_errors_fail_once_sampled_with_the_figures() {
+        let c = candidate(policy());
+        let judge = |candidate: Seen, stable: Seen| {
+            let mut w = Window::default();
+            for _ in 0..20 {
+                w.record(&candidate, true);
+                w.record(&stable, false);
+            }
+            match verdict(&c, w.gates(&c.policy), 101) {
+                Verdict::Fail { reason, .. } => reason,
+                other => panic!("{other:?}"),
+            }
+        };
+        let reason = judge(seen(1000, false, Some(false)), seen(1000, false, None));
+        assert!(
+            reason.starts_with("gate agreement failed") && reason.contains("candidate 0.0000"),
+            "{reason}"
+        );
+        let reason = judge(seen(30_000, false, Some(true)), seen(1000, false, None));
+        assert!(reason.starts_with("gate latency failed") && reason.contains("candidate 30"), "{reason}");
+        let reason = judge(seen(1000, true, None), seen(1000, false, None));
+        assert!(reason.starts_with("gate error_rate failed"), "{reason}");
+        // Slower, but within the ratio or the slack: passes.
+        let mut w = Window::default();
+        for _ in 0..20 {
+            w.record(&seen(1400, false, Some(true)), true);
+            w.record(&seen(1000, false, None), false);
+            w.record(&seen(300, false, Some(true)), true);
+            w.record(&seen(100, false, None), false);
+        }
+        assert!(matches!(verdict(&c, w.gates(&c.policy), 110), Verdict::Pass { .. }));
+    }
+}

@@ -1,0 +1,440 @@
+//! Rollouts judged on the node: `models rollout` against the real binary
+//! through mosquitto, with many devices (one reply topic each) sending
+//! steady load, and the decisions read from the events topic.
+
+use super::rollout::models_command;
+use super::support::{
+    Client, Mosquitto, Node, copy_digits_version, copy_test_version, get_json, http, node_with_http, sample,
+    scrape,
+};
+use crate::{digits_request, heldout};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Devices, each with its own reply topic: enough that 5% of them is some.
+const DEVICES: usize = 200;
+
+/// A node on mosquitto with `digits` v1 pinned stable (by `models promote`
+/// with no node running) beside the other versions `prepare` puts in.
+struct Site {
+    node: Node,
+    mosquitto: Mosquitto,
+    http: u16,
+    id: &'static str,
+    models: tempfile::TempDir,
+    state: tempfile::TempDir,
+}
+
+impl Site {
+    fn start(id: &'static str, prepare: impl FnOnce(&std::path::Path)) -> Option<Site> {
+        let mosquitto = Mosquitto::start()?;
+        let (models, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        copy_digits_version(models.path(), "1", false);
+        prepare(models.path());
+        models_command(models.path(), state.path(), &["promote", "digits", "1"]).unwrap();
+        let (node, http) = Self::node(&mosquitto, id, &models, &state);
+        Some(Site { node, mosquitto, http, id, models, state })
+    }
+
+    fn node(
+        mosquitto: &Mosquitto,
+        id: &str,
+        models: &tempfile::TempDir,
+        state: &tempfile::TempDir,
+    ) -> (Node, u16) {
+        let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
+        let env = [("EDGEINFER_NODE__MODELS_DIR", m.as_str()), ("EDGEINFER_NODE__STATE_DIR", s.as_str())];
+        node_with_http(&mosquitto.url(), id, &env)
+    }
+
+    /// kill -9, and a new process on the same directories.
+    fn restart(&mut self) {
+        self.node.kill9();
+        (self.node, self.http) = Self::node(&self.mosquitto, self.id, &self.models, &self.state);
+    }
+
+    /// `edgeinfer models ARGS --url` this node, in the background.
+    fn command(&self, args: &[&str]) -> tokio::task::JoinHandle<Result<Value, String>> {
+        let (models, state): (PathBuf, PathBuf) = (self.models.path().into(), self.state.path().into());
+        let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        all.extend(["--url".into(), format!("http://127.0.0.1:{}", self.http)]);
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = all.iter().map(String::as_str).collect();
+            models_command(&models, &state, &args)
+        })
+    }
+
+    async fn json(&self, path: &'static str) -> Value {
+        let port = self.http;
+        tokio::task::spawn_blocking(move || get_json(port, path)).await.unwrap().1
+    }
+
+    async fn metrics(&self) -> String {
+        let port = self.http;
+        tokio::task::spawn_blocking(move || scrape(port)).await.unwrap()
+    }
+}
+
+/// The devices' side: requests sent, replies and events received.
+struct Fleet {
+    devices: Client,
+    events: Client,
+    topic: String,
+    tag: &'static str,
+    sent_at: Vec<Instant>,
+    replies: HashMap<usize, Vec<Value>>,
+    /// Each decision with when it arrived.
+    decisions: Vec<(Instant, Value)>,
+}
+
+impl Fleet {
+    async fn connect(site: &Site, tag: &'static str) -> Fleet {
+        let port = site.mosquitto.port;
+        let events =
+            Client::connect(port, &format!("{tag}-events"), &[&format!("edgeinfer/{}/events", site.id)])
+                .await;
+        let devices = Client::connect(port, &format!("{tag}-devices"), &[&format!("{tag}/+/replies")]).await;
+        let topic = format!("edgeinfer/{}/infer/digits", site.id);
+        let (sent_at, replies, decisions) = (Vec::new(), HashMap::new(), Vec::new());
+        Fleet { devices, events, topic, tag, sent_at, replies, decisions }
+    }
+
+    async fn send(&mut self) {
+        let i = self.sent_at.len();
+        let split = heldout();
+        let payload = digits_request(&i.to_string(), &[split[i % split.len()].1.clone()]).to_string();
+        let reply_to = format!("{}/dev{}/replies", self.tag, i % DEVICES);
+        self.devices.request(&self.topic, payload.into_bytes(), &reply_to, b"", None).await;
+        self.sent_at.push(Instant::now());
+    }
+
+    fn take(&mut self) {
+        while let Ok(p) = self.devices.inbox.try_recv() {
+            let reply: Value = serde_json::from_slice(&p.payload).unwrap();
+            self.replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
+        }
+        while let Ok(p) = self.events.inbox.try_recv() {
+            self.decisions.push((Instant::now(), serde_json::from_slice(&p.payload).unwrap()));
+        }
+    }
+
+    /// Steady load, a request every 4 ms, until `done` or `limit` (false).
+    async fn load_until(&mut self, limit: Duration, mut done: impl FnMut(&Fleet) -> bool) -> bool {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            self.send().await;
+            tokio::time::sleep(Duration::from_millis(4)).await;
+            self.take();
+            if done(self) {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn decided(&self, action: &str) -> Option<&(Instant, Value)> {
+        self.decisions.iter().find(|(_, d)| d["action"] == action)
+    }
+
+    /// Waits for every reply, then checks each request got exactly one,
+    /// without an error.
+    async fn settle(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.replies.len() < self.sent_at.len() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.take();
+        }
+        // A duplicate would come after the last first answer.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.take();
+        for id in 0..self.sent_at.len() {
+            let answers = self.replies.get(&id).unwrap_or_else(|| panic!("request {id} was not answered"));
+            assert_eq!(answers.len(), 1, "request {id} answered {} times", answers.len());
+            assert!(answers[0].get("error").is_none(), "{}", answers[0]);
+        }
+    }
+
+    fn version(&self, id: usize) -> &str {
+        self.replies[&id][0]["model_version"].as_str().unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_good_canary_goes_through_every_step_and_each_request_is_answered_once_by_the_version_it_names() {
+    let Some(site) = Site::start("gw-canary", |m| copy_digits_version(m, "2", false)) else { return };
+    let mut fleet = Fleet::connect(&site, "cn").await;
+    fleet.load_until(Duration::from_millis(300), |_| false).await;
+    // v2 is v1's twin: the steps are what this test is about, so its
+    // latency gate is wide (a debug build on a shared machine is noisy).
+    let gates = "bake_s=1,min_requests=15,max_p99_ratio=5,p99_slack_ms=50";
+    let started = site.command(&["rollout", "digits", "2", "--gates", gates]).await.unwrap().unwrap();
+    assert_eq!(
+        (started["action"].as_str(), started["from"].as_str()),
+        (Some("started"), Some("1")),
+        "{started}"
+    );
+    let promoted = fleet.load_until(Duration::from_secs(90), |f| f.decided("promoted").is_some()).await;
+    let status = site.json("/models/status?model=digits").await;
+    assert!(promoted, "not promoted in 90 s: {status:#}");
+    let promoted_at = fleet.decided("promoted").unwrap().0;
+    fleet.load_until(Duration::from_millis(500), |_| false).await;
+    fleet.settle().await;
+
+    // Every step, once each, in order, on passing gates.
+    let actions: Vec<&str> = fleet.decisions.iter().map(|(_, d)| d["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, ["started", "stepped", "stepped", "stepped", "promoted"], "{:#?}", fleet.decisions);
+    for (_, d) in &fleet.decisions[1..] {
+        let gates = d["gates"].as_array().unwrap();
+        assert!(gates.iter().all(|g| g["result"] == "pass" || g["result"] == "off"), "{d}");
+        assert!(gates.iter().any(|g| g["gate"] == "agreement" && g["samples"].as_u64() >= Some(15)), "{d}");
+    }
+    for (step, share) in [(1, "25%"), (2, "50%"), (3, "100%")] {
+        assert!(
+            fleet.decisions[step].1["reason"].as_str().unwrap().contains(share),
+            "{:?}",
+            fleet.decisions[step]
+        );
+    }
+    // A device, once on v2, stays there; after the promotion all are.
+    let mut on_v2 = [false; DEVICES];
+    let mut v2_answers = 0;
+    for id in 0..fleet.sent_at.len() {
+        let device = id % DEVICES;
+        match fleet.version(id) {
+            "2" => (on_v2[device], v2_answers) = (true, v2_answers + 1),
+            "1" => assert!(!on_v2[device], "device {device} went back to v1 at request {id}"),
+            other => panic!("version {other}"),
+        }
+        if fleet.sent_at[id] > promoted_at {
+            assert_eq!(fleet.version(id), "2", "request {id}, sent after the promotion");
+        }
+    }
+    // The version each reply names is the one the metrics counted.
+    let metrics = site.metrics().await;
+    let counted = sample(&metrics, &["edgeinfer_requests_total{", "version=\"2\"", "outcome=\"ok\""]);
+    assert_eq!(counted, v2_answers as f64);
+    assert_eq!(sample(&metrics, &["edgeinfer_rollout_decisions_total{", "action=\"stepped\""]), 3.0);
+    assert_eq!(sample(&metrics, &["edgeinfer_rollout_step{", "model=\"digits\""]), 0.0);
+    let report = &status[0];
+    assert_eq!((report["stable"].as_str(), report["candidate"].is_null()), (Some("2"), true), "{status:#}");
+    eprintln!("{} requests, {v2_answers} answered by v2; promoted through 4 steps", fleet.sent_at.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_labels_fail_agreement_a_slow_version_fails_latency_and_shadow_answers_are_never_seen() {
+    let Some(mut site) = Site::start("gw-gates", |m| copy_test_version(m, "digits-wrong-labels", "2")) else {
+        return;
+    };
+    let mut fleet = Fleet::connect(&site, "gt").await;
+    // v2 runs as fast as v1: only its labels are wrong, so its latency
+    // gate is wide here (a debug build on a shared machine is noisy).
+    let gates = "bake_s=1,min_requests=20,p99_slack_ms=50";
+    let judged = |fleet: &Fleet, n: usize| {
+        fleet.decisions.iter().filter(|(_, d)| d["action"] == "rolled_back").count() >= n
+    };
+
+    // Wrong labels, canary: rolled back for agreement.
+    site.command(&["rollout", "digits", "2", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| judged(f, 1)).await, "{:#?}", fleet.decisions);
+    let (rolled_back_at, decision) = fleet.decided("rolled_back").cloned().unwrap();
+    let reason = decision["reason"].as_str().unwrap();
+    assert!(reason.starts_with("gate agreement failed"), "{decision}");
+    let agreement = decision["gates"].as_array().unwrap().iter().find(|g| g["gate"] == "agreement").unwrap();
+    assert_eq!(agreement["result"], "fail", "{decision}");
+    assert!(agreement["candidate"].as_f64().unwrap() < 0.2, "{decision}");
+    let status = site.json("/models/status?model=digits").await;
+    assert_eq!(status[0]["history"].as_array().unwrap().last().unwrap()["reason"], reason, "{status:#}");
+    assert!(status[0]["candidate"].is_null(), "{status:#}");
+    let metrics = site.metrics().await;
+    assert_eq!(sample(&metrics, &["edgeinfer_rollout_gate{", "gate=\"agreement\"", "result=\"fail\""]), 1.0);
+    fleet.load_until(Duration::from_millis(300), |_| false).await;
+
+    // Shadow: every answer is stable's, while the candidate's are compared
+    // (and found wrong).
+    let shadow_from = fleet.sent_at.len();
+    site.command(&["rollout", "digits", "2", "--mode", "shadow", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| judged(f, 2)).await, "{:#?}", fleet.decisions);
+    let shadow_to = fleet.sent_at.len();
+    let last = &fleet.decisions.last().unwrap().1;
+    assert!(last["reason"].as_str().unwrap().starts_with("gate agreement failed"), "{last}");
+    fleet.settle().await;
+    let split = heldout();
+    let mut right = 0;
+    for id in shadow_from..shadow_to {
+        let reply = &fleet.replies[&id][0];
+        assert_eq!(reply["model_version"], "1", "request {id} in shadow mode: {reply}");
+        let label = reply["parameters"]["label"].as_str().and_then(|l| l.parse::<usize>().ok());
+        right += usize::from(label == Some(split[id % split.len()].0));
+    }
+    assert!(
+        right * 10 > (shadow_to - shadow_from) * 9,
+        "stable's labels: {right} of {} right",
+        shadow_to - shadow_from
+    );
+    for id in 0..fleet.sent_at.len() {
+        if fleet.sent_at[id] > rolled_back_at + Duration::from_millis(100) {
+            assert_eq!(fleet.version(id), "1", "request {id}, sent after the rollback");
+        }
+    }
+
+    // A slow version, dropped in and found by SIGHUP: rolled back for latency.
+    copy_test_version(site.models.path(), "digits-slow", "3");
+    site.node.signal("HUP");
+    site.node.wait_for_line("reloaded", Duration::from_secs(30));
+    let gates = "bake_s=1,min_requests=20";
+    site.command(&["rollout", "digits", "3", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| judged(f, 3)).await, "{:#?}", fleet.decisions);
+    let last = &fleet.decisions.last().unwrap().1;
+    assert!(last["reason"].as_str().unwrap().starts_with("gate latency failed"), "{last}");
+    let latency = last["gates"].as_array().unwrap().iter().find(|g| g["gate"] == "latency").unwrap();
+    assert!(latency["candidate"].as_f64() > latency["stable"].as_f64(), "{last}");
+    fleet.settle().await;
+    let retained = {
+        let mut watcher =
+            Client::connect(site.mosquitto.port, "gt-watch", &["edgeinfer/gw-gates/status"]).await;
+        watcher.next_json().await.1
+    };
+    let rollout = &retained["rollout"]["digits"];
+    assert_eq!(rollout["stable"], "1", "{retained}");
+    assert!(rollout["last_decision"]["reason"].as_str().unwrap().contains("latency"), "{retained}");
+    site.restart();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_little_data_holds_a_step_kill_9_resumes_it_and_rollback_returns_everyone_at_once() {
+    let Some(mut site) = Site::start("gw-hold", |m| copy_digits_version(m, "2", false)) else { return };
+    let mut fleet = Fleet::connect(&site, "hd").await;
+    // More samples than the test will ever send: the step cannot pass.
+    let gates = "bake_s=1,min_requests=100000,max_wait_s=4";
+    site.command(&["rollout", "digits", "2", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    fleet.load_until(Duration::from_millis(800), |_| false).await;
+    let before = site.json("/models/status?model=digits").await[0]["candidate"].clone();
+    assert_eq!((before["step"].as_u64(), before["version"].as_str()), (Some(0), Some("2")), "{before}");
+
+    site.restart();
+    let after = site.json("/models/status?model=digits").await[0]["candidate"].clone();
+    assert_eq!(after, before, "the same step, started when it was, after kill -9");
+    let resumed_from = fleet.sent_at.len();
+    let held = fleet.load_until(Duration::from_secs(30), |f| f.decided("held").is_some()).await;
+    assert!(held, "{:#?}", fleet.decisions);
+    let reason = fleet.decided("held").unwrap().1["reason"].as_str().unwrap().to_string();
+    assert!(reason.contains("inconclusive") && reason.contains("of 100000"), "{reason}");
+    let status = site.json("/models/status?model=digits").await;
+    let report = &status[0];
+    assert_eq!(report["stable"], "1", "held, not promoted: {status:#}");
+    assert!(report["candidate"]["held"].as_str().is_some(), "{status:#}");
+    assert!(
+        report["trial"]["gates"].as_array().unwrap().iter().any(|g| g["result"] == "inconclusive"),
+        "{status:#}"
+    );
+
+    // Rollback during the canary, straight to the admin route: every request
+    // sent after it answered is v1's.
+    let port = site.http;
+    let asked = Instant::now();
+    let answered = tokio::task::spawn(async move {
+        tokio::task::spawn_blocking(move || {
+            http(port, "POST", "/models/rollback?model=digits", b"", "text/plain")
+        })
+        .await
+        .unwrap()
+    });
+    let mut rolled_back = None;
+    fleet
+        .load_until(Duration::from_secs(10), |_| {
+            if rolled_back.is_none() && answered.is_finished() {
+                rolled_back = Some(Instant::now());
+            }
+            rolled_back.is_some_and(|at| at.elapsed() > Duration::from_millis(500))
+        })
+        .await;
+    let (code, body) = answered.await.unwrap();
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let rolled_back = rolled_back.expect("the rollback answered");
+    assert!(rolled_back - asked < Duration::from_secs(1), "rollback took {:?}", rolled_back - asked);
+    fleet.settle().await;
+    let mut v2_after_restart = 0;
+    for id in resumed_from..fleet.sent_at.len() {
+        if fleet.sent_at[id] > rolled_back {
+            assert_eq!(fleet.version(id), "1", "request {id}, sent after the rollback");
+        } else if fleet.version(id) == "2" {
+            v2_after_restart += 1;
+        }
+    }
+    assert!(v2_after_restart > 0, "the resumed step routed devices to v2");
+    eprintln!(
+        "the rollback answered in {:?}; every request sent after it was answered by v1",
+        rolled_back - asked
+    );
+    let actions: Vec<&str> = fleet.decisions.iter().map(|(_, d)| d["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, ["started", "held", "rolled_back"], "{:#?}", fleet.decisions);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_auto_rollout_a_version_dropped_in_starts_a_canary_unless_it_fails_its_checks() {
+    let (models, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    copy_digits_version(models.path(), "1", false);
+    let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
+    let (node, mqtt, http_port) = tokio::task::spawn_blocking(move || {
+        super::support::embedded_node_with_http(
+            "gw-auto",
+            &[
+                ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
+                ("EDGEINFER_NODE__STATE_DIR", s.as_str()),
+                ("EDGEINFER_MODELS__DIGITS__AUTO_ROLLOUT", "canary"),
+                ("EDGEINFER_MODELS__DIGITS__ROLLOUT__BAKE_S", "3600"),
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let mut events = Client::connect(mqtt, "auto-events", &["edgeinfer/gw-auto/events"]).await;
+    let status = || async move {
+        tokio::task::spawn_blocking(move || get_json(http_port, "/models/status")).await.unwrap().1
+    };
+
+    // A version whose sha256 check fails is refused at load: no rollout.
+    copy_digits_version(models.path(), "2", true);
+    node.signal("HUP");
+    node.wait_for_line("reloaded", Duration::from_secs(30));
+    assert!(events.next(Duration::from_millis(500)).await.is_none(), "no decision for a refused version");
+    let report = status().await;
+    assert_eq!(
+        (report[0]["serving"].as_str(), report[0]["candidate"].is_null()),
+        (Some("1"), true),
+        "{report}"
+    );
+
+    // A good one starts a canary against what served before: it does not
+    // take every device at once.
+    copy_digits_version(models.path(), "3", false);
+    node.signal("HUP");
+    node.wait_for_line("reloaded", Duration::from_secs(30));
+    let (_, started) = events.next_json().await;
+    let what = (started["action"].as_str(), started["version"].as_str(), started["from"].as_str());
+    assert_eq!(what, (Some("started"), Some("3"), Some("1")), "{started}");
+    assert_eq!(started["by"], "auto_rollout (reload)", "{started}");
+    let report = status().await;
+    let candidate = &report[0]["candidate"];
+    assert_eq!(
+        (candidate["version"].as_str(), candidate["mode"].as_str()),
+        (Some("3"), Some("canary")),
+        "{report}"
+    );
+    assert_eq!((report[0]["stable"].as_str(), candidate["step"].as_u64()), (Some("1"), Some(0)), "{report}");
+    // HTTP requests (no reply topic) are split by id: most stay on v1.
+    let versions = tokio::task::spawn_blocking(move || {
+        (0..40)
+            .map(|i| {
+                let req = digits_request(&format!("auto-{i}"), &[heldout()[i].1.clone()]);
+                super::support::infer_digits(http_port, &req)["model_version"].as_str().unwrap().to_string()
+            })
+            .collect::<Vec<String>>()
+    })
+    .await
+    .unwrap();
+    let on_v1 = versions.iter().filter(|v| *v == "1").count();
+    assert!(on_v1 >= 30 && versions.iter().all(|v| v == "1" || v == "3"), "{versions:?}");
+}
