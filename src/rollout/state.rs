@@ -364,11 +364,17 @@ impl Deployments {
                     model: name.clone(),
                     serving: self.serving(name, available).unwrap_or_default().to_string(),
                     stable: deployment.map(|d| d.stable.clone()),
-                    previous: deployment.and_then(|d| d.previous.last().cloned()).or_else(|| {
-                        // Without state a rollback goes one older.
-                        let at = versions.len().checked_sub(2)?;
-                        deployment.is_none().then(|| versions[at].clone())
-                    }),
+                    // During a rollout a rollback ends it: back to stable alone.
+                    previous: deployment
+                        .and_then(|d| match &d.candidate {
+                            Some(_) => Some(d.stable.clone()),
+                            None => d.previous.last().cloned(),
+                        })
+                        .or_else(|| {
+                            // Without state a rollback goes one older.
+                            let at = versions.len().checked_sub(2)?;
+                            deployment.is_none().then(|| versions[at].clone())
+                        }),
                     versions: versions.clone(),
                     records: versions
                         .iter()

@@ -324,6 +324,7 @@ async fn too_little_data_holds_a_step_kill_9_resumes_it_and_rollback_returns_eve
     let status = site.json("/models/status?model=digits").await;
     let report = &status[0];
     assert_eq!(report["stable"], "1", "held, not promoted: {status:#}");
+    assert_eq!(report["previous"], "1", "a rollback now ends the rollout on stable: {status:#}");
     assert!(report["candidate"]["held"].as_str().is_some(), "{status:#}");
     assert!(
         report["trial"]["gates"].as_array().unwrap().iter().any(|g| g["result"] == "inconclusive"),
