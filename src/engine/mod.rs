@@ -190,6 +190,18 @@ impl Engine {
         generation.registry.serving(stable).cloned().collect()
     }
 
+    /// The version of `model` that answers a request naming none: the
+    /// stable one the deployment state pins when it is loaded, else the
+    /// newest. Metadata, readiness and the cloud's late answers use it.
+    pub fn serving_model(&self, model: &str) -> Result<Arc<LoadedModel>, InferError> {
+        let (registry, deployments) = (self.registry(), self.deployments());
+        let stable = deployments.as_deref().and_then(|d| d.stable(model));
+        match stable.and_then(|v| registry.get(model, Some(v)).ok()) {
+            Some(pinned) => Ok(pinned),
+            None => registry.get(model, None),
+        }
+    }
+
     /// Bytes in, bytes out: the whole pipeline, for transports.
     pub async fn handle(&self, envelope: Envelope<'_>, payload: &[u8], encoding: Encoding) -> Reply {
         self.answer(envelope, self.decode(payload, encoding), encoding).await
@@ -395,7 +407,7 @@ impl Engine {
             while let Some(Settled { entry, cloud, delivery, after }) = settled.recv().await {
                 let Some(engine) = engine.upgrade() else { return };
                 let generation = engine.current();
-                let model = generation.registry.get(&entry.model, None).ok();
+                let model = engine.serving_model(&entry.model).ok();
                 let node = &generation.options.node_id;
                 match cascade::finish(model.as_deref(), &entry, cloud, node) {
                     Some((req, reply)) => {
@@ -471,8 +483,10 @@ impl Engine {
     /// its watchdog.
     pub async fn probe(&self) -> Result<(), String> {
         let generation = self.current();
-        let mut models = generation.registry.active().peekable();
-        if models.peek().is_none() {
+        // The versions that answer requests naming none (a pinned stable,
+        // not merely the newest).
+        let models = self.serving();
+        if models.is_empty() {
             return Err("no model is in service".into());
         }
         for model in models {

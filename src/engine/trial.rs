@@ -60,7 +60,7 @@ pub fn report(
                 None => Compared::Unlabelled,
             },
             (Ok(_), None) => Compared::Unlabelled,
-            (Err(_), _) => Compared::No,
+            (Err(_), _) => Compared::Failed,
         };
         if let Some(counted) = seen(other.model(), &answer, latency, threshold, compared) {
             observer.observe(counted);
@@ -84,8 +84,12 @@ async fn run(
     (answer, started.elapsed())
 }
 
-/// An answer as the rollout counts it; none for a failure that is not the
-/// version's (a full queue, a deadline).
+/// An answer as the rollout counts it. Any failure of a device's own
+/// request counts (`internal`, a full queue, a deadline: a slow version
+/// causes the last two); the gate weighs it against stable's rate over the
+/// same time, so load on the whole node does not count against the
+/// candidate. A comparison run the other version's full queue turned away
+/// is extra work skipped, and not counted.
 fn seen(
     model: &LoadedModel,
     answer: &Result<EdgeAnswer, InferError>,
@@ -95,8 +99,8 @@ fn seen(
 ) -> Option<Seen> {
     let failed = match answer {
         Ok(_) => false,
-        Err(e) if e.code == ErrorCode::Internal => true,
-        Err(_) => return None,
+        Err(e) if e.code == ErrorCode::Overloaded && compared != Compared::No => return None,
+        Err(_) => true,
     };
     let confidence = answer.as_ref().ok().and_then(|a| a.confidence);
     Some(Seen {

@@ -16,8 +16,7 @@ pub struct Seen {
     pub version: String,
     /// From the queue to the outputs: what the version costs a request.
     pub latency: Duration,
-    /// It failed on the node (`internal`); a full queue or a deadline is not
-    /// the version's fault and is not reported.
+    /// It failed (`internal`, a full queue, a deadline).
     pub failed: bool,
     /// With a cloud tier: whether the answer fell below the threshold.
     pub escalates: Option<bool>,
@@ -33,6 +32,8 @@ pub enum Compared {
     Disagreed,
     /// Run on both, but the model has no labels to compare.
     Unlabelled,
+    /// A comparison run that failed: nothing to compare.
+    Failed,
 }
 
 struct Figures {
@@ -175,7 +176,7 @@ impl Window {
                 self.agreed += u64::from(seen.compared == Compared::Agreed);
             }
             Compared::Unlabelled => self.unlabelled += 1,
-            Compared::No => {}
+            Compared::No | Compared::Failed => {}
         }
     }
 

@@ -204,7 +204,8 @@ fn error_response(err: &InferError) -> Response {
 
 async fn metadata(State(state): State<AppState>, Path(model): Path<String>) -> Response {
     let registry = state.engine.registry();
-    let m = match registry.get(&model, None) {
+    // The inputs and outputs of the version that serves.
+    let m = match state.engine.serving_model(&model) {
         Ok(m) => m,
         Err(e) => return error_response(&e),
     };
@@ -230,7 +231,7 @@ async fn metadata(State(state): State<AppState>, Path(model): Path<String>) -> R
 }
 
 async fn model_ready(State(state): State<AppState>, Path(model): Path<String>) -> Response {
-    match state.engine.registry().get(&model, None) {
+    match state.engine.serving_model(&model) {
         Ok(m) => axum::Json(serde_json::json!({"name": m.name(), "ready": true})).into_response(),
         Err(e) => error_response(&e),
     }
