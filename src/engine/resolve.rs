@@ -53,8 +53,7 @@ pub fn resolve<'g>(
     // The device: its reply topic (MQTT); without one (HTTP), the request.
     let device = envelope.follow_up.map_or(req.id.as_str(), |f| f.route.topic.as_str());
     if bucket(device) < u32::from(candidate.share()) * 100 {
-        let compare = candidate.mode == RolloutMode::Canary && sampled();
-        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare }) })
+        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare: sampled() }) })
     } else {
         Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false }) })
     }

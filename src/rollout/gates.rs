@@ -88,7 +88,8 @@ impl Figures {
     }
 }
 
-/// The figures of one version over the step, as the status shows them.
+/// The figures of one version over the step, as the status shows them:
+/// its own runs (a cache hit is neither version's run, and not counted).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VersionFigures {
     pub answers: u64,

@@ -439,3 +439,38 @@ async fn with_auto_rollout_a_version_dropped_in_starts_a_canary_unless_it_fails_
     let on_v1 = versions.iter().filter(|v| *v == "1").count();
     assert!(on_v1 >= 30 && versions.iter().all(|v| v == "1" || v == "3"), "{versions:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ab_split_keeps_figures_per_version_and_decides_nothing_even_with_data_enough() {
+    let Some(site) = Site::start("gw-ab", |m| copy_digits_version(m, "2", false)) else { return };
+    let mut fleet = Fleet::connect(&site, "ab").await;
+    let gates = "bake_s=0,min_requests=5,max_wait_s=1";
+    let started =
+        site.command(&["rollout", "digits", "2", "--mode", "ab", "--gates", gates]).await.unwrap().unwrap();
+    assert_eq!(started["action"], "started", "{started}");
+    // Fewer requests than held-out rows: no input twice, so no cache hit
+    // (a hit is not a run of either version, and is not counted).
+    let rows = heldout().len();
+    fleet.load_until(Duration::from_secs(3), |f| f.sent_at.len() + 1 >= rows).await;
+    fleet.settle().await;
+    // Past a judging tick after the last answer.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let status = site.json("/models/status?model=digits").await;
+    let trial = &status[0]["trial"];
+    assert_eq!((trial["mode"].as_str(), trial["share"].as_u64()), (Some("ab"), Some(50)), "{status:#}");
+    let per_version = |v: &str| fleet.replies.values().filter(|r| r[0]["model_version"] == v).count() as u64;
+    // Stable also ran each of the candidate's answers, to compare them.
+    let compared = trial["compared"].as_u64().unwrap();
+    assert_eq!(compared, per_version("2"), "{status:#}");
+    assert_eq!(trial["agreed"].as_u64(), Some(compared), "twins agree: {status:#}");
+    assert_eq!(trial["stable"]["answers"].as_u64(), Some(per_version("1") + compared), "{status:#}");
+    assert_eq!(trial["candidate"]["answers"].as_u64(), Some(per_version("2")), "{status:#}");
+    assert!(per_version("1") > 40 && per_version("2") > 40, "both halves answer");
+    assert!(trial["candidate"]["p99_ms"].as_f64().is_some() && trial["stable"]["p99_ms"].as_f64().is_some());
+    assert!(trial["gates"].as_array().unwrap().iter().all(|g| g["result"] != "inconclusive"), "{status:#}");
+    // Every gate judged, none decides: still running, no other decision.
+    fleet.take();
+    let actions: Vec<&str> = fleet.decisions.iter().map(|(_, d)| d["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, ["started"], "{:#?}", fleet.decisions);
+    assert_eq!(status[0]["candidate"]["version"], "2", "{status:#}");
+}
