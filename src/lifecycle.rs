@@ -298,14 +298,25 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
             }
         }
     }
-    // Before the swap, so a new version never serves everyone first.
-    start_auto_rollouts(engine, &registry, &config);
+    // Before the swap, so a new version never serves everyone first; ended
+    // again if the swap fails (the candidate would never be loaded).
+    let started = start_auto_rollouts(engine, &registry, &config);
     let deployments = engine.rollout().map(|r| r.current());
     let stable = |m: &str| deployments.as_deref().and_then(|d| d.stable(m));
     let serving = registry.serving(stable).map(|m| format!("{} v{}", m.name(), m.version())).collect();
     let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
     let (previous, registry) = (engine.registry(), Arc::new(registry));
-    engine.reload(registry.clone(), EngineOptions::from_config(&config))?;
+    if let Err(e) = engine.reload(registry.clone(), EngineOptions::from_config(&config)) {
+        if let Some(rollout) = engine.rollout() {
+            for model in started {
+                let by = crate::rollout::Asker::named("auto_rollout (reload refused)");
+                if let Err(e) = rollout.rollback_blocking(&model, engine.registry().available(), by) {
+                    tracing::error!("reload: the rollout of {model} could not be ended: {e}");
+                }
+            }
+        }
+        return Err(e.into());
+    }
     engine.set_config(&config);
     crate::telemetry::describe_models(Some(&previous), &registry);
     Ok((config, Reloaded { serving, refused, refused_summary }))
@@ -314,9 +325,11 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
 /// `models.NAME.auto_rollout`: the newest version a reload finds that was
 /// not loaded before starts a rollout instead of serving. A version that
 /// failed its checks is not in `registry`, so it never starts one. A
-/// rollout that cannot start (one is running already) is logged.
-fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) {
-    let Some(rollout) = engine.rollout() else { return };
+/// rollout that cannot start (one is running already) is logged. Returns
+/// the models whose rollout started.
+fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) -> Vec<String> {
+    let mut started = Vec::new();
+    let Some(rollout) = engine.rollout() else { return started };
     let (before, available) = (engine.registry().available(), registry.available());
     for (model, versions) in &available {
         let model_config = config.models.get(model);
@@ -330,10 +343,14 @@ fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) {
             crate::rollout::Plan { version: newest.clone(), mode, policy: config.rollout_policy(model) };
         let by = crate::rollout::Asker::named("auto_rollout (reload)");
         match rollout.start_rollout_blocking(model, plan, available.clone(), by) {
-            Ok(d) => tracing::info!("reload: {model} v{newest}: {}", d.reason),
+            Ok(d) => {
+                tracing::info!("reload: {model} v{newest}: {}", d.reason);
+                started.push(model.clone());
+            }
             Err(e) => tracing::warn!("reload: {model} v{newest} did not start a rollout: {e}"),
         }
     }
+    started
 }
 
 /// The settings changed since `started` (the config the process started

@@ -113,6 +113,7 @@ impl Node {
         // version instead could bring back one that was rolled back.
         let (rollout, decisions) = Rollout::start(config.node.state_dir.clone())?;
         let engine = Arc::new(engine.with_rollout(rollout));
+        warn_unloaded_pins(&engine);
         engine.set_config(&config);
         if metrics.is_some() {
             tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
@@ -384,6 +385,30 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 
 fn serving(engine: &Engine) -> String {
     engine.serving().iter().map(|m| format!("{} v{}", m.name(), m.version())).collect::<Vec<_>>().join(", ")
+}
+
+/// A pinned stable or candidate version that did not load (refused at
+/// load, or its directory gone) is named at start: the stable's model
+/// serves its newest version meanwhile, and a candidate gets no traffic.
+fn warn_unloaded_pins(engine: &Engine) {
+    let (Some(rollout), registry) = (engine.rollout(), engine.registry()) else { return };
+    for (model, deployment) in &rollout.current().models {
+        let pinned = std::iter::once(("stable", &deployment.stable))
+            .chain(deployment.candidate.as_ref().map(|c| ("candidate", &c.version)));
+        for (role, version) in pinned {
+            if !version.is_empty() && registry.get(model, Some(version)).is_err() {
+                tracing::error!(
+                    "model {model}'s {role} version v{version} is not loaded (refused or gone; see above): \
+                     {}; put it back, or `edgeinfer models promote` another",
+                    if role == "stable" {
+                        "its newest version serves meanwhile"
+                    } else {
+                        "it gets no traffic"
+                    }
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -154,6 +154,16 @@ impl RolloutPolicy {
         if !(1..=99).contains(&self.ab_share) {
             return Err(("ab_share", format!("{}: use a percentage from 1 to 99", self.ab_share)));
         }
+        if self.compare_share <= 0.0 {
+            return Err((
+                "compare_share",
+                format!(
+                    "{}: use a share above 0 (up to 1.0): the compared answers feed the agreement gate, \
+                     and stable's figures once a canary reaches 100%",
+                    self.compare_share
+                ),
+            ));
+        }
         let shares = [
             ("compare_share", self.compare_share),
             ("min_agreement", self.min_agreement),

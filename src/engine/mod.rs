@@ -293,22 +293,23 @@ impl Engine {
                 let edge = async {
                     let node = &generation.options.node_id;
                     // Only a request taking part in a rollout reports to it.
-                    let trial =
-                        route.trial.as_ref().and_then(|t| Some((t, self.rollout.as_ref()?.observer())));
-                    let compare = trial.as_ref().filter(|(t, _)| t.compare).map(|_| prepared.clone());
-                    let started = Instant::now();
+                    let watch = route.trial.as_ref().and_then(|trial| {
+                        let observer = self.rollout.as_ref()?.observer();
+                        let threshold = escalation.map(|(_, policy)| policy.threshold);
+                        let settings =
+                            trial::Settings { observer, node, measure: cascade.measure(), threshold };
+                        Some(trial::Watch::start(settings, trial, model))
+                    });
+                    let limits = &generation.options.limits;
+                    let compare = watch.as_ref().and_then(|w| w.comparison_input(&prepared, &req, limits));
                     let answer = match runner.run(prepared, deadline.at()).await {
                         Ok(outputs) => {
                             postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
                         }
                         Err(e) => Err(e),
                     };
-                    if let Some((trial, observer)) = trial {
-                        let threshold = escalation.map(|(_, policy)| policy.threshold);
-                        let settings =
-                            trial::Settings { observer, node, measure: cascade.measure(), threshold };
-                        let latency = started.elapsed();
-                        trial::report(&settings, trial, model, &req, &answer, latency, compare);
+                    if let Some(watch) = watch {
+                        watch.finish(&req, &answer, compare);
                     }
                     answer
                 };
@@ -407,7 +408,14 @@ impl Engine {
             while let Some(Settled { entry, cloud, delivery, after }) = settled.recv().await {
                 let Some(engine) = engine.upgrade() else { return };
                 let generation = engine.current();
-                let model = engine.serving_model(&entry.model).ok();
+                // The version that gave the provisional answer (a canary's
+                // candidate, say), if it is still loaded; else the serving one.
+                let answered: Option<String> = serde_json::from_slice::<serde_json::Value>(&entry.edge)
+                    .ok()
+                    .and_then(|edge| Some(edge["model_version"].as_str()?.to_string()));
+                let model = answered
+                    .and_then(|v| generation.registry.get(&entry.model, Some(&v)).ok())
+                    .or_else(|| engine.serving_model(&entry.model).ok());
                 let node = &generation.options.node_id;
                 match cascade::finish(model.as_deref(), &entry, cloud, node) {
                     Some((req, reply)) => {

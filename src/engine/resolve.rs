@@ -29,6 +29,8 @@ pub struct Trial<'g> {
     pub other: &'g Arc<Runner>,
     /// Whether to also run it on `other` and compare the answers.
     pub compare: bool,
+    /// The rollout's step it was routed in.
+    pub step_id: u64,
 }
 
 pub fn resolve<'g>(
@@ -47,15 +49,17 @@ pub fn resolve<'g>(
     // A candidate whose directory is gone (removed by hand): stable serves.
     let Ok(on_trial) = runners.get(envelope.model, Some(&candidate.version)) else { return Ok(plain) };
     let sampled = || fastrand::f64() < candidate.policy.compare_share;
+    let step_id = candidate.step_id;
     if candidate.mode == RolloutMode::Shadow {
-        return Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: sampled() }) });
+        let trial = Trial { other: on_trial, compare: sampled(), step_id };
+        return Ok(Route { runner: stable, trial: Some(trial) });
     }
     // The device: its reply topic (MQTT); without one (HTTP), the request.
     let device = envelope.follow_up.map_or(req.id.as_str(), |f| f.route.topic.as_str());
     if bucket(device) < u32::from(candidate.share()) * 100 {
-        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare: sampled() }) })
+        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare: sampled(), step_id }) })
     } else {
-        Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false }) })
+        Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false, step_id }) })
     }
 }
 

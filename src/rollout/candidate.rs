@@ -18,6 +18,11 @@ pub struct Candidate {
     /// Which of `policy.steps` a canary is at (from 0); 0 otherwise.
     pub step: usize,
     pub step_started_s: u64,
+    /// A random id each step gets: the answers reported for one step (or
+    /// one rollout) never count for another, even one started the same
+    /// second with the same version.
+    #[serde(default)]
+    pub step_id: u64,
     pub started_at_s: u64,
     /// Who started it.
     pub by: String,
@@ -117,6 +122,7 @@ impl Deployments {
             policy: plan.policy,
             step: 0,
             step_started_s: now_s,
+            step_id: fastrand::u64(1..),
             started_at_s: now_s,
             by: asker.by.clone(),
             held: None,
@@ -177,6 +183,7 @@ impl Deployments {
                 if !last {
                     candidate.step += 1;
                     candidate.step_started_s = now_s;
+                    candidate.step_id = fastrand::u64(1..);
                     let mut decision =
                         Decision::new(model, Action::Stepped, &version, &stable, &gates_asker, now_s);
                     (decision.reason, decision.gates) =

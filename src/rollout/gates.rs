@@ -14,6 +14,8 @@ use std::time::Duration;
 pub struct Seen {
     pub model: String,
     pub version: String,
+    /// The step it was routed in (`Candidate::step_id`).
+    pub step_id: u64,
     /// From the queue to the outputs: what the version costs a request.
     pub latency: Duration,
     /// It failed (`internal`, a full queue, a deadline).
@@ -356,6 +358,7 @@ mod tests {
             policy,
             step: 0,
             step_started_s: 100,
+            step_id: 7,
             started_at_s: 100,
             by: "test".into(),
             held: None,
@@ -371,6 +374,7 @@ mod tests {
         Seen {
             model: "digits".into(),
             version: String::new(),
+            step_id: 7,
             latency: Duration::from_micros(us),
             failed,
             escalates: None,

@@ -140,7 +140,25 @@ impl Rollout {
         by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        let command = Command::Rollout { model: model.into(), plan, available, by, reply };
+        self.ask_blocking(Command::Rollout { model: model.into(), plan, available, by, reply }, answer)
+    }
+
+    /// `rollback` for a thread outside the async runtime (a reload).
+    pub fn rollback_blocking(
+        &self,
+        model: &str,
+        available: Available,
+        by: Asker,
+    ) -> Result<Decision, RolloutError> {
+        let (reply, answer) = oneshot::channel();
+        self.ask_blocking(Command::Rollback { model: model.into(), available, by, reply }, answer)
+    }
+
+    fn ask_blocking(
+        &self,
+        command: Command,
+        answer: oneshot::Receiver<Result<Decision, RolloutError>>,
+    ) -> Result<Decision, RolloutError> {
         self.commands.blocking_send(command).map_err(|_| RolloutError::Stopped)?;
         let _ = self.messages.try_send(Message::Command);
         answer.blocking_recv().map_err(|_| RolloutError::Stopped)?
@@ -215,8 +233,8 @@ struct Owner {
     published: Arc<RwLock<Arc<Deployments>>>,
     trials: Arc<RwLock<Arc<BTreeMap<String, Trial>>>>,
     events: mpsc::Sender<Decision>,
-    /// The figures of each model's step, with the step they are for.
-    windows: HashMap<String, ((String, usize, u64), Window)>,
+    /// The figures of each model's step, with the step (`step_id`) they are for.
+    windows: HashMap<String, (u64, Window)>,
 }
 
 impl Owner {
@@ -242,21 +260,25 @@ impl Owner {
         }
     }
 
-    /// `seen` into its model's window, if it is an answer of the candidate
-    /// or of stable during a rollout.
+    /// `seen` into its model's window, if it was routed in the step that
+    /// runs now and is an answer of the candidate or of stable.
     fn count(&mut self, seen: &Seen) {
         let Some(deployment) = self.state.models.get(&seen.model) else { return };
         let Some(candidate) = &deployment.candidate else { return };
         let is_candidate = seen.version == candidate.version;
-        if !is_candidate && seen.version != deployment.stable {
+        if seen.step_id != candidate.step_id || (!is_candidate && seen.version != deployment.stable) {
             return;
         }
-        let step = (candidate.version.clone(), candidate.step, candidate.step_started_s);
-        let (for_step, window) = self.windows.entry(seen.model.clone()).or_default();
-        if *for_step != step {
-            (*for_step, *window) = (step, Window::default());
+        self.window(&seen.model, candidate.step_id).record(seen, is_candidate);
+    }
+
+    /// The figures of `model`'s step `step_id`: empty when that step is new.
+    fn window(&mut self, model: &str, step_id: u64) -> &mut Window {
+        let (for_step, window) = self.windows.entry(model.to_string()).or_default();
+        if *for_step != step_id {
+            (*for_step, *window) = (step_id, Window::default());
         }
-        window.record(seen, is_candidate);
+        window
     }
 
     fn command(&mut self, command: Command) {
@@ -293,10 +315,9 @@ impl Owner {
         let mut trials = BTreeMap::new();
         let mut verdicts = Vec::new();
         for (model, candidate) in self.state.candidates() {
-            let step = (candidate.version.clone(), candidate.step, candidate.step_started_s);
             let (for_step, window) = self.windows.entry(model.clone()).or_default();
-            if *for_step != step {
-                (*for_step, *window) = (step, Window::default());
+            if *for_step != candidate.step_id {
+                (*for_step, *window) = (candidate.step_id, Window::default());
             }
             let trial = window.trial(model, candidate);
             for gate in &trial.gates {
@@ -341,7 +362,18 @@ impl Owner {
         metrics::counter!(ROLLOUT_DECISIONS, "model" => d.model.clone(), "action" => d.action.label())
             .increment(1);
         if next.models.get(&d.model).is_none_or(|m| m.candidate.is_none()) {
+            // No rollout runs: no step, no gate results (the decision has them).
             metrics::gauge!(ROLLOUT_STEP, "model" => d.model.clone()).set(0.0);
+            for gate in d.gates.iter().map(|g| g.gate.clone()) {
+                for result in GateResult::ALL {
+                    let labels = [
+                        ("model", d.model.clone()),
+                        ("gate", gate.clone()),
+                        ("result", result.as_str().into()),
+                    ];
+                    metrics::gauge!(ROLLOUT_GATE, &labels).set(0.0);
+                }
+            }
         }
         self.state = next;
         *self.published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(self.state.clone());

@@ -94,7 +94,12 @@ fn rollout(
         .map(|(name, d)| {
             let status = RolloutStatus {
                 stable: d.stable.clone(),
-                previous: d.previous.last().cloned(),
+                // During a rollout a rollback ends it: back to stable alone.
+                previous: if d.candidate.is_some() {
+                    Some(d.stable.clone())
+                } else {
+                    d.previous.last().cloned()
+                },
                 last_decision: d.history.last().cloned(),
                 candidate: d.candidate.clone(),
                 trial: trials

@@ -248,7 +248,8 @@ async fn wrong_labels_fail_agreement_a_slow_version_fails_latency_and_shadow_ans
     assert_eq!(status[0]["history"].as_array().unwrap().last().unwrap()["reason"], reason, "{status:#}");
     assert!(status[0]["candidate"].is_null(), "{status:#}");
     let metrics = site.metrics().await;
-    assert_eq!(sample(&metrics, &["edgeinfer_rollout_gate{", "gate=\"agreement\"", "result=\"fail\""]), 1.0);
+    // Once it ended, no gate shows a result (the decision has them).
+    assert_eq!(sample(&metrics, &["edgeinfer_rollout_gate{", "gate=\"agreement\"", "result=\"fail\""]), 0.0);
     fleet.load_until(Duration::from_millis(300), |_| false).await;
 
     // Shadow: every answer is stable's, while the candidate's are compared
@@ -330,6 +331,13 @@ async fn too_little_data_holds_a_step_kill_9_resumes_it_and_rollback_returns_eve
         report["trial"]["gates"].as_array().unwrap().iter().any(|g| g["result"] == "inconclusive"),
         "{status:#}"
     );
+    let metrics = site.metrics().await;
+    let gate = |result: &str| {
+        let result = format!("result=\"{result}\"");
+        sample(&metrics, &["edgeinfer_rollout_gate{", "gate=\"agreement\"", &result])
+    };
+    assert_eq!((gate("inconclusive"), gate("pass")), (1.0, 0.0), "{metrics}");
+    assert_eq!(sample(&metrics, &["edgeinfer_rollout_step{", "model=\"digits\""]), 50.0);
 
     // Rollback during the canary, straight to the admin route: every request
     // sent after it answered is v1's.
