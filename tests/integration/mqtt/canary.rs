@@ -87,6 +87,9 @@ struct Fleet {
     replies: HashMap<usize, Vec<Value>>,
     /// Each decision with when it arrived.
     decisions: Vec<(Instant, Value)>,
+    /// Sent with `parameters.deadline_ms` from request `.0` on, where an
+    /// error reply is expected of some.
+    deadline: Option<(usize, u64)>,
 }
 
 impl Fleet {
@@ -98,13 +101,17 @@ impl Fleet {
         let devices = Client::connect(port, &format!("{tag}-devices"), &[&format!("{tag}/+/replies")]).await;
         let topic = format!("edgeinfer/{}/infer/digits", site.id);
         let (sent_at, replies, decisions) = (Vec::new(), HashMap::new(), Vec::new());
-        Fleet { devices, events, topic, tag, sent_at, replies, decisions }
+        Fleet { devices, events, topic, tag, sent_at, replies, decisions, deadline: None }
     }
 
     async fn send(&mut self) {
         let i = self.sent_at.len();
         let split = heldout();
-        let payload = digits_request(&i.to_string(), &[split[i % split.len()].1.clone()]).to_string();
+        let mut request = digits_request(&i.to_string(), &[split[i % split.len()].1.clone()]);
+        if let Some((_, ms)) = self.deadline {
+            request["parameters"] = serde_json::json!({"deadline_ms": ms});
+        }
+        let payload = request.to_string();
         let reply_to = format!("{}/dev{}/replies", self.tag, i % DEVICES);
         self.devices.request(&self.topic, payload.into_bytes(), &reply_to, b"", None).await;
         self.sent_at.push(Instant::now());
@@ -152,7 +159,9 @@ impl Fleet {
         for id in 0..self.sent_at.len() {
             let answers = self.replies.get(&id).unwrap_or_else(|| panic!("request {id} was not answered"));
             assert_eq!(answers.len(), 1, "request {id} answered {} times", answers.len());
-            assert!(answers[0].get("error").is_none(), "{}", answers[0]);
+            if self.deadline.is_none_or(|(from, _)| id < from) {
+                assert!(answers[0].get("error").is_none(), "{}", answers[0]);
+            }
         }
     }
 
@@ -224,7 +233,7 @@ async fn a_good_canary_goes_through_every_step_and_each_request_is_answered_once
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_labels_fail_agreement_a_slow_version_fails_latency_and_shadow_answers_are_never_seen() {
-    let Some(mut site) = Site::start("gw-gates", |m| copy_test_version(m, "digits-wrong-labels", "2")) else {
+    let Some(site) = Site::start("gw-gates", |m| copy_test_version(m, "digits-wrong-labels", "2")) else {
         return;
     };
     let mut fleet = Fleet::connect(&site, "gt").await;
@@ -300,7 +309,17 @@ async fn wrong_labels_fail_agreement_a_slow_version_fails_latency_and_shadow_ans
     let rollout = &retained["rollout"]["digits"];
     assert_eq!(rollout["stable"], "1", "{retained}");
     assert!(rollout["last_decision"]["reason"].as_str().unwrap().contains("latency"), "{retained}");
-    site.restart();
+
+    // The slow one again, with devices that wait at most 4 ms: its answers
+    // run out of time and count as failures, not as missing samples.
+    fleet.deadline = Some((fleet.sent_at.len(), 4));
+    site.command(&["rollout", "digits", "3", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| judged(f, 4)).await, "{:#?}", fleet.decisions);
+    let last = &fleet.decisions.last().unwrap().1;
+    assert!(last["reason"].as_str().unwrap().starts_with("gate error_rate failed"), "{last}");
+    let errors = last["gates"].as_array().unwrap().iter().find(|g| g["gate"] == "error_rate").unwrap();
+    assert!(errors["candidate"].as_f64().unwrap() > 0.5, "{last}");
+    fleet.settle().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
