@@ -281,6 +281,13 @@ mod tests {
             &Asker::named("t"),
             40,
         );
+        // Short of samples, set to roll back rather than hold.
+        let mut strict = plan(RolloutMode::Canary);
+        strict.policy.on_inconclusive = OnInconclusive::Rollback;
+        state.start_rollout("digits", strict, &two(), &Asker::named("t"), 50).unwrap();
+        let short = Verdict::Inconclusive { reason: "inconclusive after 9 s".into(), gates: Vec::new() };
+        let d = state.judged("digits", short, 60).unwrap();
+        assert_eq!((d.action, d.version.as_str(), d.from.as_str()), (Action::RolledBack, "1", "2"));
         assert!(matches!(stable, Err(RolloutError::AlreadyStable { .. })), "{stable:?}");
     }
 }

@@ -429,6 +429,14 @@ mod tests {
         assert!(reason.starts_with("gate latency failed") && reason.contains("candidate 30"), "{reason}");
         let reason = judge(seen(1000, true, None), seen(1000, false, None));
         assert!(reason.starts_with("gate error_rate failed"), "{reason}");
+        // With a cloud tier: the candidate escalates far more often.
+        let escalating =
+            |escalates: bool| Seen { escalates: Some(escalates), ..seen(1000, false, Some(true)) };
+        let reason = judge(escalating(true), escalating(false));
+        assert!(
+            reason.starts_with("gate escalation failed") && reason.contains("candidate 1.0000"),
+            "{reason}"
+        );
         // Slower, but within the ratio or the slack: passes.
         let mut w = Window::default();
         for _ in 0..20 {
