@@ -1012,6 +1012,19 @@ mod tests {
         let err =
             Config::load_with_env(None, env(&[("EDGEINFER_MODELS__DIGITS__THRESHOLD", "1.5")])).unwrap_err();
         assert!(err.to_string().contains("models.digits.threshold"), "{err}");
+        // A model's rollout policy: the bad key, its value and what is allowed.
+        let err = Config::parse("[models.digits.rollout]\nsteps = [50, 25, 100]\n").unwrap_err().to_string();
+        assert!(err.contains("models.digits.rollout.steps") && err.contains("ascending"), "{err}");
+        let err = Config::parse("[models.digits]\nauto_rollout = \"yes\"\n").unwrap_err().to_string();
+        assert!(err.contains("auto_rollout") && err.contains("canary"), "{err}");
+        let config = Config::parse(
+            "[models.digits]\nauto_rollout = \"shadow\"\n[models.digits.rollout]\nbake_s = 60\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (config.models["digits"].auto_rollout, config.rollout_policy("digits").bake_s),
+            (AutoRollout::Shadow, 60)
+        );
         // The sections added for compare's capture and the Redis tier.
         for (key, value, names) in [
             ("EDGEINFER_CAPTURE__RATE", "1.5", "capture.rate"),
