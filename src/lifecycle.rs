@@ -308,9 +308,9 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
     let (previous, registry) = (engine.registry(), Arc::new(registry));
     if let Err(e) = engine.reload(registry.clone(), EngineOptions::from_config(&config)) {
         if let Some(rollout) = engine.rollout() {
-            for model in started {
+            for (model, version) in started {
                 let by = crate::rollout::Asker::named("auto_rollout (reload refused)");
-                if let Err(e) = rollout.rollback_blocking(&model, engine.registry().available(), by) {
+                if let Err(e) = rollout.end_rollout_blocking(&model, &version, by) {
                     tracing::error!("reload: the rollout of {model} could not be ended: {e}");
                 }
             }
@@ -326,8 +326,8 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
 /// not loaded before starts a rollout instead of serving. A version that
 /// failed its checks is not in `registry`, so it never starts one. A
 /// rollout that cannot start (one is running already) is logged. Returns
-/// the models whose rollout started.
-fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) -> Vec<String> {
+/// the models and versions whose rollout started.
+fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) -> Vec<(String, String)> {
     let mut started = Vec::new();
     let Some(rollout) = engine.rollout() else { return started };
     let (before, available) = (engine.registry().available(), registry.available());
@@ -345,7 +345,7 @@ fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) ->
         match rollout.start_rollout_blocking(model, plan, available.clone(), by) {
             Ok(d) => {
                 tracing::info!("reload: {model} v{newest}: {}", d.reason);
-                started.push(model.clone());
+                started.push((model.clone(), newest.clone()));
             }
             Err(e) => tracing::warn!("reload: {model} v{newest} did not start a rollout: {e}"),
         }

@@ -277,7 +277,12 @@ impl Engine {
         let route = resolve::resolve(&generation.runners, &envelope, &req, deployments.as_deref())?;
         let runner = route.runner;
         let model = runner.model();
-        let prepared = preprocess::prepare(model, &req, &generation.options.limits)?;
+        let limits = &generation.options.limits;
+        let prepared = preprocess::prepare(model, &req, limits).inspect_err(|_| {
+            if let (Some(trial), Some(rollout)) = (&route.trial, &self.rollout) {
+                trial::refused(&rollout.observer(), trial, model, &req, limits);
+            }
+        })?;
         let options = &generation.options;
         // The policy only matters, and is only looked up, with a cloud tier.
         let escalation = self.cloud_tier.as_ref().map(|tier| (tier, options.cascade(model.name())));
@@ -293,15 +298,16 @@ impl Engine {
                 let edge = async {
                     let node = &generation.options.node_id;
                     // Only a request taking part in a rollout reports to it.
-                    let watch = route.trial.as_ref().and_then(|trial| {
-                        let observer = self.rollout.as_ref()?.observer();
+                    let trial = route.trial.as_ref().zip(self.rollout.as_ref());
+                    let comparison =
+                        trial.and_then(|(t, _)| trial::comparison(t, model, &prepared, &req, limits));
+                    let watch = trial.map(|(trial, rollout)| {
                         let threshold = escalation.map(|(_, policy)| policy.threshold);
+                        let observer = rollout.observer();
                         let settings =
                             trial::Settings { observer, node, measure: cascade.measure(), threshold };
-                        Some(trial::Watch::start(settings, trial, model))
+                        trial::Watch::start(settings, trial, model, deadline.at())
                     });
-                    let limits = &generation.options.limits;
-                    let compare = watch.as_ref().and_then(|w| w.comparison_input(&prepared, &req, limits));
                     let answer = match runner.run(prepared, deadline.at()).await {
                         Ok(outputs) => {
                             postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
@@ -309,7 +315,7 @@ impl Engine {
                         Err(e) => Err(e),
                     };
                     if let Some(watch) = watch {
-                        watch.finish(&req, &answer, compare);
+                        watch.finish(&req, &answer, comparison);
                     }
                     answer
                 };

@@ -26,47 +26,76 @@ pub struct Settings<'a> {
 }
 
 /// One request's part in a rollout, from just before its run. Dropped
-/// unfinished (its deadline ran out while it waited or ran), it reports a
-/// failure, so a version slow on part of its traffic cannot hide it.
+/// unfinished after its deadline passed (it ran out of time while it
+/// waited or ran), it reports a failure, so a version slow on part of its
+/// traffic cannot hide it; dropped for another reason (a client that hung
+/// up, a shutdown) it reports nothing.
 pub struct Watch<'a> {
     settings: Settings<'a>,
     trial: &'a Trial<'a>,
     model: &'a LoadedModel,
+    due: Option<Instant>,
     started: Instant,
     finished: bool,
 }
 
+/// The comparison run a route asked for: the input prepared for the
+/// other version, or why that version refused it.
+pub type Comparison = Option<Result<Prepared, InferError>>;
+
+/// The input for the comparison run, when the route asked for one: the
+/// request's, prepared again when the other version prepares it
+/// differently (its manifest's input or scaling). Worked out before the
+/// request's own run is timed.
+pub fn comparison(
+    trial: &Trial<'_>,
+    model: &LoadedModel,
+    prepared: &Prepared,
+    req: &InferRequest,
+    limits: &LimitsConfig,
+) -> Comparison {
+    if !trial.compare {
+        return None;
+    }
+    let (mine, other) = (&model.manifest, &trial.other.model().manifest);
+    if mine.input == other.input && mine.preprocess == other.preprocess {
+        Some(Ok(prepared.clone()))
+    } else {
+        Some(preprocess::prepare(trial.other.model(), req, limits))
+    }
+}
+
+/// A request the answering version refused at preprocessing: a failure of
+/// that version when the other one accepts the same input (a device's own
+/// bad input is refused by both, and is nobody's failure).
+pub fn refused(
+    observer: &Observer,
+    trial: &Trial<'_>,
+    model: &LoadedModel,
+    req: &InferRequest,
+    limits: &LimitsConfig,
+) {
+    if preprocess::prepare(trial.other.model(), req, limits).is_ok() {
+        observer.observe(failure(model, trial.step_id, Duration::ZERO, Compared::No));
+    }
+}
+
 impl<'a> Watch<'a> {
-    pub fn start(settings: Settings<'a>, trial: &'a Trial<'a>, model: &'a LoadedModel) -> Watch<'a> {
-        Watch { settings, trial, model, started: Instant::now(), finished: false }
+    pub fn start(
+        settings: Settings<'a>,
+        trial: &'a Trial<'a>,
+        model: &'a LoadedModel,
+        due: Option<Instant>,
+    ) -> Watch<'a> {
+        Watch { settings, trial, model, due, started: Instant::now(), finished: false }
     }
 
-    /// The input for the comparison run, when the route asked for one: the
-    /// request's, prepared again when the other version prepares it
-    /// differently (its manifest's input or scaling).
-    pub fn comparison_input(
-        &self,
-        prepared: &Prepared,
-        req: &InferRequest,
-        limits: &LimitsConfig,
-    ) -> Option<Prepared> {
-        if !self.trial.compare {
-            return None;
-        }
-        let (mine, other) = (&self.model.manifest, &self.trial.other.model().manifest);
-        if mine.input == other.input && mine.preprocess == other.preprocess {
-            Some(prepared.clone())
-        } else {
-            preprocess::prepare(self.trial.other.model(), req, limits).ok()
-        }
-    }
-
-    /// Reports `answer` and starts the comparison run of `input`, if any.
+    /// Reports `answer` and starts the comparison run, if any.
     pub fn finish(
         mut self,
         req: &InferRequest,
         answer: &Result<EdgeAnswer, InferError>,
-        input: Option<Prepared>,
+        comparison: Comparison,
     ) {
         self.finished = true;
         let settings = &self.settings;
@@ -80,9 +109,18 @@ impl<'a> Watch<'a> {
             settings.threshold,
             Compared::No,
         ));
-        let (Some(input), Ok(first)) = (input, answer) else { return };
+        let (Some(comparison), Ok(first)) = (comparison, answer) else { return };
+        let other = self.trial.other.clone();
+        let input = match comparison {
+            Ok(input) => input,
+            Err(_) => {
+                // The other version refuses what this one answered.
+                settings.observer.observe(failure(other.model(), step_id, Duration::ZERO, Compared::Failed));
+                return;
+            }
+        };
         let label = first.response.parameters.label.clone();
-        let (other, observer) = (self.trial.other.clone(), settings.observer.clone());
+        let observer = settings.observer.clone();
         // The request's own parts postprocessing reads; not its inputs.
         let req = InferRequest {
             id: req.id.clone(),
@@ -112,13 +150,17 @@ impl<'a> Watch<'a> {
 
 impl Drop for Watch<'_> {
     fn drop(&mut self) {
-        if !self.finished {
-            let failed: Result<EdgeAnswer, InferError> = Err(InferError::internal(String::new()));
-            let latency = self.started.elapsed();
-            let seen = seen(self.model, self.trial.step_id, &failed, latency, None, Compared::No);
-            self.settings.observer.observe(seen);
+        let timed_out = self.due.is_some_and(|due| Instant::now() >= due);
+        if !self.finished && timed_out {
+            let failure = failure(self.model, self.trial.step_id, self.started.elapsed(), Compared::No);
+            self.settings.observer.observe(failure);
         }
     }
+}
+
+fn failure(model: &LoadedModel, step_id: u64, latency: Duration, compared: Compared) -> Seen {
+    let failed: Result<EdgeAnswer, InferError> = Err(InferError::internal(String::new()));
+    seen(model, step_id, &failed, latency, None, compared)
 }
 
 /// `input` on `runner`, postprocessed as the request's answer would be.

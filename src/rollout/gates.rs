@@ -101,6 +101,9 @@ pub struct VersionFigures {
     pub escalation_rate: Option<f64>,
 }
 
+/// Every gate, in the order `Window::gates` judges them.
+pub const GATES: [&str; 4] = ["error_rate", "agreement", "latency", "escalation"];
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GateResult {

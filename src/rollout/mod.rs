@@ -37,14 +37,41 @@ pub const ROLLOUT_DECISIONS: &str = "edgeinfer_rollout_decisions_total";
 type Answer = oneshot::Sender<Result<Decision, RolloutError>>;
 
 enum Command {
-    Promote { model: String, version: Option<String>, available: Available, by: Asker, reply: Answer },
-    Rollback { model: String, available: Available, by: Asker, reply: Answer },
-    Rollout { model: String, plan: Plan, available: Available, by: Asker, reply: Answer },
+    Promote {
+        model: String,
+        version: Option<String>,
+        available: Available,
+        by: Asker,
+        reply: Answer,
+    },
+    Rollback {
+        model: String,
+        available: Available,
+        by: Asker,
+        reply: Answer,
+    },
+    Rollout {
+        model: String,
+        plan: Plan,
+        available: Available,
+        by: Asker,
+        reply: Answer,
+    },
+    /// Ends the rollout of `version`, only if it is the one running.
+    End {
+        model: String,
+        version: String,
+        by: Asker,
+        reply: Answer,
+    },
 }
 
 impl Command {
     fn id(&self) -> Option<&str> {
-        let (Command::Promote { by, .. } | Command::Rollback { by, .. } | Command::Rollout { by, .. }) = self;
+        let (Command::Promote { by, .. }
+        | Command::Rollback { by, .. }
+        | Command::Rollout { by, .. }
+        | Command::End { by, .. }) = self;
         by.command_id.as_deref()
     }
 }
@@ -143,15 +170,17 @@ impl Rollout {
         self.ask_blocking(Command::Rollout { model: model.into(), plan, available, by, reply }, answer)
     }
 
-    /// `rollback` for a thread outside the async runtime (a reload).
-    pub fn rollback_blocking(
+    /// Ends the rollout of `model` v`version`, only if it is the one
+    /// running (nothing else rolls back), from a thread outside the async
+    /// runtime (a reload that started it, then failed).
+    pub fn end_rollout_blocking(
         &self,
         model: &str,
-        available: Available,
+        version: &str,
         by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        self.ask_blocking(Command::Rollback { model: model.into(), available, by, reply }, answer)
+        self.ask_blocking(Command::End { model: model.into(), version: version.into(), by, reply }, answer)
     }
 
     fn ask_blocking(
@@ -287,7 +316,8 @@ impl Owner {
         if let Some(taken) = command.id().and_then(|id| self.state.taken(id)).cloned() {
             let (Command::Promote { reply, .. }
             | Command::Rollback { reply, .. }
-            | Command::Rollout { reply, .. }) = command;
+            | Command::Rollout { reply, .. }
+            | Command::End { reply, .. }) = command;
             let _ = reply.send(Ok(taken));
             return;
         }
@@ -302,6 +332,13 @@ impl Owner {
             }
             Command::Rollout { model, plan, available, by, reply } => {
                 (next.start_rollout(&model, plan, &available, &by, now_s), reply)
+            }
+            Command::End { model, version, by, reply } => {
+                let running = next.models.get(&model).and_then(|d| d.candidate.as_ref()).map(|c| &c.version);
+                let ended =
+                    if running == Some(&version) { next.abandon(&model, &by, now_s, None) } else { None };
+                let why = format!("no rollout of v{version} runs");
+                (ended.ok_or(RolloutError::NothingToRollBack { model, why }), reply)
             }
         };
         let outcome = outcome.and_then(|decision| self.apply(next, decision));
@@ -364,11 +401,11 @@ impl Owner {
         if next.models.get(&d.model).is_none_or(|m| m.candidate.is_none()) {
             // No rollout runs: no step, no gate results (the decision has them).
             metrics::gauge!(ROLLOUT_STEP, "model" => d.model.clone()).set(0.0);
-            for gate in d.gates.iter().map(|g| g.gate.clone()) {
+            for gate in gates::GATES {
                 for result in GateResult::ALL {
                     let labels = [
                         ("model", d.model.clone()),
-                        ("gate", gate.clone()),
+                        ("gate", gate.to_string()),
                         ("result", result.as_str().into()),
                     ];
                     metrics::gauge!(ROLLOUT_GATE, &labels).set(0.0);
