@@ -156,10 +156,7 @@ impl Engine {
         let mut report = rollout.current().report(&registry.available(), &registry.fingerprints(), model)?;
         let trials = rollout.trials();
         for m in &mut report {
-            m.trial = trials
-                .get(&m.model)
-                .filter(|t| m.candidate.as_ref().is_some_and(|c| c.version == t.version))
-                .cloned();
+            m.trial = trials.get(&m.model).cloned();
         }
         Ok(report)
     }
@@ -174,7 +171,7 @@ impl Engine {
         model: &str,
         overrides: (Option<&str>, Option<&str>),
     ) -> Result<crate::rollout::Plan, crate::rollout::RolloutError> {
-        let (policy, _) = self.current().options.rollout(model);
+        let policy = self.current().options.rollout(model);
         crate::rollout::Plan::new(version, mode, &policy, overrides)
     }
 
@@ -194,12 +191,8 @@ impl Engine {
     /// stable one the deployment state pins when it is loaded, else the
     /// newest. Metadata, readiness and the cloud's late answers use it.
     pub fn serving_model(&self, model: &str) -> Result<Arc<LoadedModel>, InferError> {
-        let (registry, deployments) = (self.registry(), self.deployments());
-        let stable = deployments.as_deref().and_then(|d| d.stable(model));
-        match stable.and_then(|v| registry.get(model, Some(v)).ok()) {
-            Some(pinned) => Ok(pinned),
-            None => registry.get(model, None),
-        }
+        let deployments = self.deployments();
+        self.registry().serving_one(model, deployments.as_deref().and_then(|d| d.stable(model)))
     }
 
     /// Bytes in, bytes out: the whole pipeline, for transports.

@@ -3,7 +3,7 @@
 
 use super::batch::BatchPolicy;
 use super::cascade::CascadePolicy;
-use crate::config::{AutoRollout, Config, LimitsConfig, RolloutPolicy};
+use crate::config::{Config, LimitsConfig, RolloutPolicy};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
@@ -22,9 +22,9 @@ pub struct EngineOptions {
     /// models not listed take `default_cascade`.
     pub cascade: HashMap<String, CascadePolicy>,
     pub default_cascade: CascadePolicy,
-    /// How each model's rollouts step and judge, and what a new version
-    /// found by a reload starts; models not listed take the defaults.
-    pub rollout: HashMap<String, (RolloutPolicy, AutoRollout)>,
+    /// How each model's rollouts step and judge; models not listed take
+    /// the defaults.
+    pub rollout: HashMap<String, RolloutPolicy>,
 }
 
 impl EngineOptions {
@@ -40,16 +40,12 @@ impl EngineOptions {
             model_batching: config.models.keys().map(|m| (m.clone(), batching(m))).collect(),
             cascade: config.models.iter().map(|(m, c)| (m.clone(), CascadePolicy::new(c))).collect(),
             default_cascade: CascadePolicy::new(&Default::default()),
-            rollout: config
-                .models
-                .iter()
-                .map(|(m, c)| (m.clone(), (c.rollout.clone(), c.auto_rollout)))
-                .collect(),
+            rollout: config.models.iter().map(|(m, c)| (m.clone(), c.rollout.clone())).collect(),
         }
     }
 
-    /// `model`'s rollout policy, and what a new version of it starts.
-    pub fn rollout(&self, model: &str) -> (RolloutPolicy, AutoRollout) {
+    /// `model`'s rollout policy.
+    pub fn rollout(&self, model: &str) -> RolloutPolicy {
         self.rollout.get(model).cloned().unwrap_or_default()
     }
 

@@ -158,6 +158,12 @@ impl Registry {
         self.models.by_name.keys().filter_map(move |name| self.models.serving(name, stable(name)).ok())
     }
 
+    /// The version of `name` that serves a request naming none: `stable`
+    /// when it is loaded, else the newest.
+    pub fn serving_one(&self, name: &str, stable: Option<&str>) -> Result<Arc<LoadedModel>, InferError> {
+        self.models.serving(name, stable).cloned()
+    }
+
     pub fn versions(&self, name: &str) -> Vec<String> {
         self.models.by_name.get(name).map(|v| v.keys().map(|k| k.1.clone()).collect()).unwrap_or_default()
     }

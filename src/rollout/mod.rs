@@ -193,7 +193,9 @@ impl Rollout {
         answer.blocking_recv().map_err(|_| RolloutError::Stopped)?
     }
 
-    /// Each rollout's step as last judged, by model.
+    /// Each running rollout's step as last judged, by model. Read it after
+    /// `current`: a decision removes its model's figures before it
+    /// publishes the state.
     pub fn trials(&self) -> Arc<BTreeMap<String, Trial>> {
         self.trials.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -351,21 +353,12 @@ impl Owner {
         let now_s = unix_now();
         let mut trials = BTreeMap::new();
         let mut verdicts = Vec::new();
-        for (model, candidate) in self.state.candidates() {
-            let (for_step, window) = self.windows.entry(model.clone()).or_default();
-            if *for_step != candidate.step_id {
-                (*for_step, *window) = (candidate.step_id, Window::default());
-            }
-            let trial = window.trial(model, candidate);
+        let running: Vec<(String, Candidate)> =
+            self.state.candidates().map(|(m, c)| (m.clone(), c.clone())).collect();
+        for (model, candidate) in &running {
+            let trial = self.window(model, candidate.step_id).trial(model, candidate);
             for gate in &trial.gates {
-                for result in GateResult::ALL {
-                    let labels = [
-                        ("model", model.clone()),
-                        ("gate", gate.gate.clone()),
-                        ("result", result.as_str().into()),
-                    ];
-                    metrics::gauge!(ROLLOUT_GATE, &labels).set(if result == gate.result { 1.0 } else { 0.0 });
-                }
+                show_gate(model, &gate.gate, Some(gate.result));
             }
             metrics::gauge!(ROLLOUT_STEP, "model" => model.clone()).set(f64::from(candidate.share()));
             verdicts.push((model.clone(), gates::verdict(candidate, trial.gates.clone(), now_s)));
@@ -402,22 +395,37 @@ impl Owner {
             // No rollout runs: no step, no gate results (the decision has them).
             metrics::gauge!(ROLLOUT_STEP, "model" => d.model.clone()).set(0.0);
             for gate in gates::GATES {
-                for result in GateResult::ALL {
-                    let labels = [
-                        ("model", d.model.clone()),
-                        ("gate", gate.to_string()),
-                        ("result", result.as_str().into()),
-                    ];
-                    metrics::gauge!(ROLLOUT_GATE, &labels).set(0.0);
-                }
+                show_gate(&d.model, gate, None);
             }
         }
+        // Figures of a step this decision ends (a hold does not) are gone
+        // before the new state is published (readers take the state, then
+        // the figures), until the next judging fills them for the step now
+        // running.
+        let step_id = |state: &Deployments| Some(state.models.get(&d.model)?.candidate.as_ref()?.step_id);
+        let mut published = self.trials.write().unwrap_or_else(|e| e.into_inner());
+        if step_id(&self.state) != step_id(&next) && published.contains_key(&d.model) {
+            let mut trials = (**published).clone();
+            trials.remove(&d.model);
+            *published = Arc::new(trials);
+        }
+        drop(published);
         self.state = next;
         *self.published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(self.state.clone());
         if self.events.try_send(decision.clone()).is_err() {
             tracing::warn!("rollout: the events topic lags; this decision is in the log and the status only");
         }
         Ok(decision)
+    }
+}
+
+/// Gate `gate` of `model`'s rollout as the metrics show it: 1 for its
+/// `current` result, 0 for the others (all 0 with none running).
+fn show_gate(model: &str, gate: &str, current: Option<GateResult>) {
+    for result in GateResult::ALL {
+        let labels =
+            [("model", model.to_string()), ("gate", gate.to_string()), ("result", result.as_str().into())];
+        metrics::gauge!(ROLLOUT_GATE, &labels).set(if current == Some(result) { 1.0 } else { 0.0 });
     }
 }
 

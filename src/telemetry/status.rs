@@ -102,10 +102,7 @@ fn rollout(
                 },
                 last_decision: d.history.last().cloned(),
                 candidate: d.candidate.clone(),
-                trial: trials
-                    .get(name)
-                    .filter(|t| d.candidate.as_ref().is_some_and(|c| c.version == t.version))
-                    .cloned(),
+                trial: trials.get(name).cloned(),
             };
             (name.clone(), status)
         })
