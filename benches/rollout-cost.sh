@@ -17,6 +17,9 @@ mkdir -p $D/models/digits
 cp -r "$REPO/models/digits/1" $D/models/digits/1
 cp -r "$REPO/models/digits/1" $D/models/digits/2
 sed -i 's/version = "1"/version = "2"/' $D/models/digits/2/model.toml
+# Rollout commands over HTTP need the admin token; the node and the commands read it from here.
+echo "bench-admin-token" > $D/admin.token
+export EDGEINFER_HTTP__ADMIN_TOKEN_FILE=$D/admin.token
 export EDGEINFER_NODE__STATE_DIR=$D/s EDGEINFER_HTTP__LISTEN=127.0.0.1:$((MP + 2000))
 $BIN --models-dir $D/models models promote digits 1 > /dev/null
 EDGEINFER_NODE__ID=gw-1 EDGEINFER_MQTT__URL=mqtt://127.0.0.1:$MP \

@@ -1,11 +1,14 @@
 //! `edgeinfer cache stats|purge` and `edgeinfer models status|promote|rollback`:
 //! against the running node through its local HTTP endpoint (the cache
 //! store and the deployment state are locked while a node has them), or
-//! straight on the store and the state file when no node is running.
+//! straight on the store and the state file when no node is running; the
+//! models commands also as signed commands on a node's control topic
+//! (`--via-mqtt`).
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
 use crate::rollout::{Asker, Decision, Deployments, ModelReport, Plan, RolloutError};
+use crate::transport::mqtt::{AskError, ControlAsk, ControlCommand};
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +28,8 @@ pub enum AdminError {
     Rollout(#[from] RolloutError),
     #[error("node.models_dir {path}: {reason}")]
     Models { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Control(#[from] AskError),
 }
 
 /// Where an answer came from.
@@ -34,6 +39,11 @@ pub enum Source {
     Store(PathBuf),
     /// The deployment state file.
     State(PathBuf),
+    /// A node's control topic, through the broker at `url`.
+    Control {
+        node: String,
+        url: String,
+    },
 }
 
 impl std::fmt::Display for Source {
@@ -42,6 +52,7 @@ impl std::fmt::Display for Source {
             Source::Node(url) => write!(f, "running node at {url}"),
             Source::Store(path) => write!(f, "store {} (no node running)", path.display()),
             Source::State(path) => write!(f, "{} (no node running)", path.display()),
+            Source::Control { node, url } => write!(f, "node {node} over its control topic through {url}"),
         }
     }
 }
@@ -204,6 +215,76 @@ pub async fn models_change(
     };
     deployments.save(&config.node.state_dir)?;
     Ok((decision, Source::State(config.node.state_dir.join(crate::rollout::state::FILE_NAME))))
+}
+
+/// How `edgeinfer models ... --via-mqtt` reaches a node: a command signed
+/// with `control.key_file`'s key on its control topic.
+#[derive(Debug, Clone, Default)]
+pub struct ViaMqtt {
+    /// NODE in the node's topics; default `node.id`.
+    pub node: Option<String>,
+    /// The command's id; default a new one. The same id again is applied once.
+    pub id: Option<String>,
+    /// Where the node answers; default one of the sender's own.
+    pub reply_topic: Option<String>,
+}
+
+pub async fn models_status_via_mqtt(
+    config: &Config,
+    via: &ViaMqtt,
+    model: Option<&str>,
+) -> Result<(Vec<ModelReport>, Source), AdminError> {
+    let command =
+        ControlCommand { command: "status".into(), model: model.map(Into::into), ..Default::default() };
+    ask_node(config, via, command).await
+}
+
+pub async fn models_change_via_mqtt(
+    config: &Config,
+    via: &ViaMqtt,
+    change: &Change,
+) -> Result<(Decision, Source), AdminError> {
+    let named = |command: &str, model: &str| ControlCommand {
+        command: command.into(),
+        model: Some(model.into()),
+        ..Default::default()
+    };
+    let command = match change {
+        Change::Promote { model, version } => {
+            ControlCommand { version: version.clone(), ..named("promote", model) }
+        }
+        Change::Rollback { model } => named("rollback", model),
+        Change::Rollout { model, version, mode, steps, gates } => ControlCommand {
+            version: Some(version.clone()),
+            mode: mode.clone(),
+            steps: steps.clone(),
+            gates: gates.clone(),
+            ..named("rollout", model)
+        },
+    };
+    ask_node(config, via, command).await
+}
+
+/// `command` with its id, signed, to the node `via` names; its result decoded.
+async fn ask_node<T: serde::de::DeserializeOwned>(
+    config: &Config,
+    via: &ViaMqtt,
+    command: ControlCommand,
+) -> Result<(T, Source), AdminError> {
+    let node = via.node.clone().unwrap_or_else(|| config.node.id.clone());
+    let id = via
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("cli-{}-{:08x}", crate::telemetry::unix_now(), fastrand::u32(..)));
+    let asked = ControlAsk {
+        node: node.clone(),
+        command: ControlCommand { id, ..command },
+        reply_topic: via.reply_topic.clone(),
+    };
+    let result = crate::transport::mqtt::ask(config, asked).await?;
+    let answer = serde_json::from_value(result)
+        .map_err(|e| AskError::Unexpected { node: node.clone(), reason: e.to_string() })?;
+    Ok((answer, Source::Control { node, url: config.mqtt.url.clone() }))
 }
 
 fn decode<T: serde::de::DeserializeOwned>(url: &str, body: &str) -> Result<T, AdminError> {

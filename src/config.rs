@@ -31,6 +31,7 @@ pub struct Config {
     pub cache: CacheConfig,
     pub capture: CaptureConfig,
     pub control: ControlConfig,
+    pub site: SiteConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -67,6 +68,7 @@ pub struct MqttConfig {
     pub client_id: Option<String>,
     /// How long the broker keeps the session while the node is away.
     pub session_expiry_s: u32,
+    /// At least 5 (rumqttc's floor).
     pub keep_alive_s: u16,
     pub username: Option<String>,
     /// Prefer `password_file` or `EDGEINFER_MQTT__PASSWORD`; never logged.
@@ -257,6 +259,10 @@ pub struct RedisConfig {
     pub ca_file: Option<PathBuf>,
     /// A file holding the password (AUTH); a user name goes in the URL.
     pub password_file: Option<PathBuf>,
+    /// A file holding the site key (hex, at least 32 bytes) that signs
+    /// every shared answer; required with `enabled`, the same on every
+    /// node of the site.
+    pub key_file: Option<PathBuf>,
     /// Every key starts with this, so nodes of one site share answers and
     /// `cache purge` finds them.
     pub key_prefix: String,
@@ -273,6 +279,7 @@ impl Default for RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             ca_file: None,
             password_file: None,
+            key_file: None,
             key_prefix: "edgeinfer".into(),
             ttl_s: None,
             timeout_ms: 5,
@@ -311,14 +318,46 @@ pub struct CaptureConfig {
 }
 
 /// `[control]`: the rollout commands over MQTT on `PREFIX/NODE/control`,
-/// for fleet managers without HTTP. Off by default; on, only with the
-/// token in `token_file`.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+/// for fleet managers without HTTP. Off by default; on, each command must
+/// be signed with the key in `key_file` and recent (`max_skew_s`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ControlConfig {
     pub enabled: bool,
-    /// A file whose first line is the token every command must carry.
+    /// A file whose first line (at least 32 bytes, used as written) is the
+    /// HMAC-SHA256 key commands are signed with; it never travels.
+    pub key_file: Option<PathBuf>,
+    /// How far a command's `issued_at_s` may be from the node's clock,
+    /// either way; the node remembers what it answered for as long.
+    pub max_skew_s: u64,
+    /// Gone: the token crossed the broker in clear. Read only to name
+    /// `key_file` when an old config still sets it.
     pub token_file: Option<PathBuf>,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig { enabled: false, key_file: None, max_skew_s: 300, token_file: None }
+    }
+}
+
+/// `[site]`: the nodes of one share group as one site. With `rollout` on,
+/// a model's deployment state is the site's (a retained topic every node
+/// reads), one node at a time judges a rollout on the figures of all of
+/// them, and every node routes a device the same way.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SiteConfig {
+    pub rollout: bool,
+    /// Keep alive of the site connection: a node that dies without a TCP
+    /// reset (power, cable) leaves the site after 1.5 times this.
+    pub keep_alive_s: u16,
+}
+
+impl Default for SiteConfig {
+    fn default() -> Self {
+        SiteConfig { rollout: false, keep_alive_s: 5 }
+    }
 }
 
 impl Default for CaptureConfig {
@@ -593,6 +632,15 @@ impl Config {
                 );
             }
         }
+        if self.mqtt.keep_alive_s < 5 {
+            return bad(
+                "mqtt.keep_alive_s",
+                format!(
+                    "{}: use 5 to 65535 seconds (the MQTT client needs at least 5)",
+                    self.mqtt.keep_alive_s
+                ),
+            );
+        }
         if !(1..=65535).contains(&self.mqtt.max_in_flight) {
             return bad("mqtt.max_in_flight", format!("{}: use 1 to 65535", self.mqtt.max_in_flight));
         }
@@ -829,12 +877,54 @@ impl Config {
                 "0: use at least 1 second, or leave it out for the cache TTL".into(),
             );
         }
-        if self.control.enabled && self.control.token_file.is_none() {
+        // Unsigned shared answers would let any client that can write to
+        // Redis choose what every node answers.
+        if redis.enabled && redis.key_file.is_none() {
+            return bad(
+                "cache.redis.key_file",
+                "not set, and cache.redis.enabled = true needs it: the site key signs every shared answer. \
+                 Make one with `head -c 32 /dev/urandom | xxd -p > /etc/edgeinfer/redis.key`, copy the file \
+                 to every node of the site and set cache.redis.key_file to it"
+                    .into(),
+            );
+        }
+        let control = &self.control;
+        if let Some(path) = &control.token_file {
+            return bad(
+                "control.token_file",
+                format!(
+                    "{}: control commands are signed now, so no token crosses the broker; remove \
+                     control.token_file and set control.key_file to a file holding a key of at least 32 \
+                     bytes (openssl rand -hex 32), the one the fleet signs with",
+                    path.display()
+                ),
+            );
+        }
+        if control.enabled && control.key_file.is_none() {
             return bad(
                 "control.enabled",
-                "true without control.token_file: set control.token_file to a file holding the token \
-                 commands must carry, or leave control off"
+                "true without control.key_file: set control.key_file to a file holding the key commands \
+                 are signed with (at least 32 bytes: openssl rand -hex 32), or leave control off"
                     .into(),
+            );
+        }
+        if !(1..=3600).contains(&control.max_skew_s) {
+            return bad(
+                "control.max_skew_s",
+                format!(
+                    "{}: use 1 to 3600 seconds (how far a command's issued_at_s may be from the \
+                     node's clock)",
+                    control.max_skew_s
+                ),
+            );
+        }
+        if !(5..=60).contains(&self.site.keep_alive_s) {
+            return bad(
+                "site.keep_alive_s",
+                format!(
+                    "{}: use 5 to 60 seconds (a dead node leaves the site after 1.5 times this)",
+                    self.site.keep_alive_s
+                ),
             );
         }
         let capture = &self.capture;
@@ -1061,11 +1151,40 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("cache.redis.ca_file") && err.contains("rediss://"), "{err}");
-        let err = Config::load_with_env(None, env(&[("EDGEINFER_CONTROL__ENABLED", "true")])).unwrap_err();
-        assert!(err.to_string().contains("control.token_file"), "{err}");
+        // Finding 2: control commands are signed with control.key_file's key.
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_CONTROL__ENABLED", "true")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("control.enabled") && err.contains("control.key_file"), "{err}");
+        let old = [("EDGEINFER_CONTROL__TOKEN_FILE", "/etc/edgeinfer/control.token")];
+        let err = Config::load_with_env(None, env(&old)).unwrap_err().to_string();
+        assert!(
+            err.contains("control.token_file")
+                && err.contains("/etc/edgeinfer/control.token")
+                && err.contains("control.key_file"),
+            "{err}"
+        );
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_CONTROL__MAX_SKEW_S", "0")])).unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains("control.max_skew_s") && err.contains("0: use 1 to 3600"), "{err}");
+        assert_eq!(Config::default().control.max_skew_s, 300);
         let insecure = [("EDGEINFER_CACHE__REDIS__URL", "rediss://10.0.0.2:6380/#insecure")];
         let err = Config::load_with_env(None, env(&insecure)).unwrap_err().to_string();
         assert!(err.contains("cache.redis.url") && err.contains("ca_file"), "{err}");
+    }
+
+    /// Issue 35, finding 8: no shared layer without the site key.
+    #[test]
+    fn finding_8_the_redis_layer_needs_the_site_key_file() {
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_CACHE__REDIS__ENABLED", "true")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache.redis.key_file") && err.contains("head -c 32 /dev/urandom"), "{err}");
+        let keyed = [
+            ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+            ("EDGEINFER_CACHE__REDIS__KEY_FILE", "/etc/edgeinfer/redis.key"),
+        ];
+        assert!(Config::load_with_env(None, env(&keyed)).is_ok());
     }
 
     #[test]
@@ -1088,5 +1207,17 @@ mod tests {
         let mut https = cloud.to_vec();
         https[1].1 = "https://cloud.example";
         assert!(Config::load_with_env(None, env(&https)).is_ok());
+    }
+
+    /// rumqttc panics on a keep alive under 5 s: refused, naming the key.
+    #[test]
+    fn keep_alives_under_5_s_are_refused_naming_the_key() {
+        for (var, value, key, allowed) in [
+            ("EDGEINFER_MQTT__KEEP_ALIVE_S", "4", "mqtt.keep_alive_s", "5 to 65535"),
+            ("EDGEINFER_SITE__KEEP_ALIVE_S", "2", "site.keep_alive_s", "5 to 60"),
+        ] {
+            let err = Config::load_with_env(None, env(&[(var, value)])).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(value) && err.contains(allowed), "{err}");
+        }
     }
 }

@@ -175,25 +175,72 @@ impl Heartbeat {
 }
 
 /// Sends WATCHDOG at half of `interval` while a probe request gets through
-/// the pipeline and the MQTT loop keeps turning. A wedged node stops
-/// petting, and systemd restarts it; a broker outage does not count (the
-/// loop turns while it reconnects).
+/// the pipeline on every version in service (a rollout's candidate too: it
+/// may answer every device) and the MQTT loop keeps turning. A wedged node
+/// stops petting, and systemd restarts it; the log names each version that
+/// did not answer. A broker outage does not count (the loop turns while it
+/// reconnects).
 pub async fn watchdog(engine: Arc<Engine>, heartbeat: Heartbeat, stale_after: Duration, interval: Duration) {
     let notifier = Notifier;
     let mut tick = tokio::time::interval(interval / 2);
     loop {
         tick.tick().await;
-        let probe = tokio::time::timeout(interval / 4, engine.probe()).await;
-        match probe {
-            Ok(Ok(())) if heartbeat.age() <= stale_after => notifier.watchdog(),
-            Ok(Ok(())) => tracing::error!(
+        match engine.probe(interval / 4).await {
+            Ok(()) if heartbeat.age() <= stale_after => notifier.watchdog(),
+            Ok(()) => tracing::error!(
                 "watchdog: the MQTT loop has not turned for {:.0} s; not petting",
                 heartbeat.age().as_secs_f64()
             ),
-            Ok(Err(e)) => tracing::error!("watchdog: a probe request failed: {e}; not petting"),
-            Err(_) => tracing::error!("watchdog: a probe request got no answer in time; not petting"),
+            Err(e) => {
+                tracing::error!("watchdog: the probe failed: {e}; not petting");
+                // Stable took the wedged candidate's devices back: petting
+                // now, once it answers, leaves systemd no gap to act on.
+                if roll_back_wedged_candidates(&engine, &e).await
+                    && engine.probe(interval / 4).await.is_ok()
+                    && heartbeat.age() <= stale_after
+                {
+                    tracing::info!("watchdog: every version in service answers again; petting");
+                    notifier.watchdog();
+                }
+            }
         }
     }
+}
+
+/// A candidate that did not answer its probe is rolled back, so stable
+/// takes its devices again and the node need not be restarted: a restart
+/// would resume the same rollout from the state file, and wedge again.
+/// True when every version that failed was a candidate, now rolled back.
+async fn roll_back_wedged_candidates(engine: &Engine, failed: &crate::engine::ProbeError) -> bool {
+    let (crate::engine::ProbeError::Unanswered(versions), Some(rollout)) = (failed, engine.rollout()) else {
+        return false;
+    };
+    let mut all_rolled_back = true;
+    for wedged in versions {
+        if !matches!(wedged.role, crate::engine::Role::Candidate(_)) {
+            all_rolled_back = false;
+            continue;
+        }
+        let by = crate::rollout::Asker::named("watchdog (the candidate did not answer its probe)");
+        match rollout.rollback(&wedged.model, engine.registry().available(), by).await {
+            Ok(d) => tracing::error!(
+                "watchdog: {} v{} rolled back to v{}: {}",
+                d.model,
+                d.from,
+                d.version,
+                wedged.why
+            ),
+            Err(e) => {
+                tracing::error!(
+                    "watchdog: {} v{} could not be rolled back: {e}",
+                    wedged.model,
+                    wedged.version
+                );
+                all_rolled_back = false;
+            }
+        }
+    }
+    all_rolled_back
 }
 
 /// Where a reload reads from: the same file and command-line override the
@@ -219,6 +266,11 @@ pub enum ReloadError {
     StableLost { model: String, version: String, why: String },
     #[error("{0}; keeping the current models")]
     Threads(#[from] crate::engine::SpawnError),
+    #[error(
+        "model {model} v{version} is new and models.{model}.auto_rollout is on, but its rollout cannot start \
+         ({source}); keeping the current models, so it never serves untried"
+    )]
+    Rollout { model: String, version: String, source: Box<crate::rollout::RolloutError> },
 }
 
 impl ReloadError {
@@ -234,6 +286,10 @@ impl ReloadError {
                 format!("model {model}'s stable version v{version} would be gone; keeping the current models")
             }
             ReloadError::Threads(e) => format!("cannot start inference threads for model {}", e.model),
+            ReloadError::Rollout { model, version, source } => format!(
+                "model {model} v{version}'s auto rollout cannot start ({}); keeping the current models",
+                source.code()
+            ),
         }
     }
 }
@@ -300,57 +356,125 @@ pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloade
     }
     // Before the swap, so a new version never serves everyone first; ended
     // again if the swap fails (the candidate would never be loaded).
-    let started = start_auto_rollouts(engine, &registry, &config);
-    let deployments = engine.rollout().map(|r| r.current());
-    let stable = |m: &str| deployments.as_deref().and_then(|d| d.stable(m));
-    let serving = registry.serving(stable).map(|m| format!("{} v{}", m.name(), m.version())).collect();
-    let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
-    let (previous, registry) = (engine.registry(), Arc::new(registry));
-    if let Err(e) = engine.reload(registry.clone(), EngineOptions::from_config(&config)) {
-        if let Some(rollout) = engine.rollout() {
-            for (model, version) in started {
-                let by = crate::rollout::Asker::named("auto_rollout (reload refused)");
-                if let Err(e) = rollout.end_rollout_blocking(&model, &version, by) {
-                    tracing::error!("reload: the rollout of {model} could not be ended: {e}");
-                }
-            }
+    let (previous, mut started) = (engine.registry(), Vec::new());
+    let outcome = start_auto_rollouts(engine, &registry, &config, &mut started).and_then(|()| {
+        let deployments = engine.rollout().map(|r| r.current());
+        let stable = |m: &str| deployments.as_deref().and_then(|d| d.stable(m));
+        let serving = registry.serving(stable).map(|m| format!("{} v{}", m.name(), m.version())).collect();
+        let refused_summary = registry.refused.iter().map(|r| r.summary()).collect();
+        let registry = Arc::new(registry);
+        engine.reload(registry.clone(), EngineOptions::from_config(&config))?;
+        Ok((serving, refused_summary, registry))
+    });
+    let (serving, refused_summary, registry) = match outcome {
+        Ok(swapped) => swapped,
+        Err(e) => {
+            end_rollouts(engine, started);
+            return Err(e);
         }
-        return Err(e.into());
-    }
+    };
     engine.set_config(&config);
     crate::telemetry::describe_models(Some(&previous), &registry);
     Ok((config, Reloaded { serving, refused, refused_summary }))
 }
 
 /// `models.NAME.auto_rollout`: the newest version a reload finds that was
-/// not loaded before starts a rollout instead of serving. A version that
-/// failed its checks is not in `registry`, so it never starts one. A
-/// rollout that cannot start (one is running already) is logged. Returns
-/// the models and versions whose rollout started.
-fn start_auto_rollouts(engine: &Engine, registry: &Registry, config: &Config) -> Vec<(String, String)> {
-    let mut started = Vec::new();
-    let Some(rollout) = engine.rollout() else { return started };
+/// not loaded before starts a rollout against the version that served
+/// before, instead of serving. A version that failed its checks is not in
+/// `registry`, so it never starts one. One that cannot start refuses the
+/// reload, unless a pinned stable keeps it from serving anyway (a rollout
+/// already runs). The models and versions whose rollout started go into
+/// `started`.
+fn start_auto_rollouts(
+    engine: &Engine,
+    registry: &Registry,
+    config: &Config,
+    started: &mut Vec<(String, String)>,
+) -> Result<(), ReloadError> {
+    let Some(rollout) = engine.rollout() else { return Ok(()) };
     let (before, available) = (engine.registry().available(), registry.available());
     for (model, versions) in &available {
-        let model_config = config.models.get(model);
-        let Some(mode) = model_config.and_then(|m| m.auto_rollout.mode()) else { continue };
+        let Some(mode) = config.models.get(model).and_then(|m| m.auto_rollout.mode()) else { continue };
         let Some(newest) = versions.last() else { continue };
-        let known = before.get(model).is_some_and(|v| v.contains(newest));
-        if known {
+        if before.get(model).is_some_and(|v| v.contains(newest)) {
             continue;
         }
-        let plan =
-            crate::rollout::Plan { version: newest.clone(), mode, policy: config.rollout_policy(model) };
+        let state = rollout.current();
+        let plan = crate::rollout::Plan {
+            version: newest.clone(),
+            mode,
+            policy: config.rollout_policy(model),
+            serving_before: state.serving(model, &before).map(str::to_string),
+        };
         let by = crate::rollout::Asker::named("auto_rollout (reload)");
         match rollout.start_rollout_blocking(model, plan, available.clone(), by) {
             Ok(d) => {
                 tracing::info!("reload: {model} v{newest}: {}", d.reason);
                 started.push((model.clone(), newest.clone()));
             }
-            Err(e) => tracing::warn!("reload: {model} v{newest} did not start a rollout: {e}"),
+            Err(e) if state.stable(model).is_some() => {
+                tracing::warn!("reload: {model} v{newest} did not start a rollout ({e}); it does not serve")
+            }
+            Err(source) => {
+                let source = Box::new(source);
+                return Err(ReloadError::Rollout { model: model.clone(), version: newest.clone(), source });
+            }
         }
     }
-    started
+    Ok(())
+}
+
+/// Ends the rollouts a refused reload started.
+fn end_rollouts(engine: &Engine, started: Vec<(String, String)>) {
+    let Some(rollout) = engine.rollout() else { return };
+    for (model, version) in started {
+        let by = crate::rollout::Asker::named("auto_rollout (reload refused)");
+        if let Err(e) = rollout.end_rollout_blocking(&model, &version, by) {
+            tracing::error!("reload: the rollout of {model} could not be ended: {e}");
+        }
+    }
+}
+
+/// `models.NAME.auto_rollout` at start, from the deployment state: with no
+/// stable pinned, the version serving is pinned (this is the first start
+/// that knows of it), so a version a later restart finds is tried against
+/// it; with one pinned, the newest version, if it is newer than stable and
+/// no decision ever named it, starts a rollout against stable. Either way
+/// stable serves meanwhile, so a failure is logged, not fatal.
+pub async fn start_auto_rollouts_at_start(engine: &Engine, config: &Config) {
+    let Some(rollout) = engine.rollout() else { return };
+    let available = engine.registry().available();
+    for (model, versions) in &available {
+        let Some(mode) = config.models.get(model).and_then(|m| m.auto_rollout.mode()) else { continue };
+        let state = rollout.current();
+        let Some(serving) = state.serving(model, &available).map(str::to_string) else { continue };
+        let Some(stable) = state.stable(model) else {
+            let by = crate::rollout::Asker::named("auto_rollout (start)");
+            if let Err(e) = rollout.pin(model, &serving, by).await {
+                tracing::error!("start: {model} v{serving} could not be pinned as stable: {e}");
+            }
+            continue;
+        };
+        // Serving order is oldest first: only a version after stable is new.
+        let Some(at) = versions.iter().position(|v| v == stable) else { continue };
+        let Some(newest) = versions.get(at + 1..).and_then(<[String]>::last).cloned() else { continue };
+        if state.decided_on(model, &newest) || state.models[model].candidate.is_some() {
+            continue;
+        }
+        let plan = crate::rollout::Plan {
+            version: newest.clone(),
+            mode,
+            policy: config.rollout_policy(model),
+            serving_before: Some(serving),
+        };
+        let by = crate::rollout::Asker::named("auto_rollout (start)");
+        match rollout.start_rollout(model, plan, available.clone(), by).await {
+            Ok(d) => tracing::info!("start: {model} v{newest}: {}", d.reason),
+            Err(e) => {
+                tracing::error!("start: {model} v{newest} did not start a rollout ({e}); stable serves")
+            }
+        }
+    }
 }
 
 /// The settings changed since `started` (the config the process started

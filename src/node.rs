@@ -40,6 +40,16 @@ pub enum NodeError {
     Http { listen: String, source: std::io::Error },
     #[error(transparent)]
     Rollout(#[from] crate::rollout::RolloutError),
+    #[error(transparent)]
+    ControlKey(#[from] crate::transport::mqtt::KeyError),
+    #[error(
+        "control.enabled = true with the embedded broker open to the network on {listen} and no login: \
+         anyone who reaches it could read the fleet's commands and the node's answers and flood the \
+         control topic; set mqtt.username and mqtt.password_file (the broker then requires that login of \
+         every client), keep the broker on loopback (no mqtt.embedded_listen or \
+         mqtt.embedded_v311_listen beyond it), or set control.enabled = false"
+    )]
+    ControlOnOpenBroker { listen: SocketAddr },
 }
 
 /// A started node: its services run on the tokio runtime it was started on.
@@ -67,6 +77,8 @@ impl Node {
     /// broker: `run` reports READY once the subscriptions are in place.
     pub async fn start(config: Config, registry: Registry, reload: ReloadSource) -> Result<Node, NodeError> {
         let started = Instant::now();
+        // Read before anything starts: a bad key stops the node at once.
+        let control = control_auth(&config)?;
         start_embedded_broker(&config, reload.config_file.is_none())?;
         let metrics = if config.telemetry.metrics { telemetry::install() } else { None };
         if let Some(handle) = &metrics {
@@ -111,9 +123,11 @@ impl Node {
         }
         // A state that cannot be read stops the start: serving the newest
         // version instead could bring back one that was rolled back.
-        let (rollout, decisions) = Rollout::start(config.node.state_dir.clone())?;
+        let (rollout, decisions, to_site) =
+            Rollout::start(config.node.state_dir.clone(), config.site.rollout)?;
         let engine = Arc::new(engine.with_rollout(rollout));
         warn_unloaded_pins(&engine);
+        crate::lifecycle::start_auto_rollouts_at_start(&engine, &config).await;
         engine.set_config(&config);
         if metrics.is_some() {
             tokio::spawn(publish_saturation(Arc::downgrade(&engine)));
@@ -126,9 +140,13 @@ impl Node {
         let status = Status::new(&config.node.id, &engine.registry(), unix_now());
         let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
         let mut service = service.with_follow_ups(follow_ups_rx).with_events(decisions);
-        if let (true, Some(path)) = (config.control.enabled, &config.control.token_file) {
-            service = service.with_control(http::Token::read("control.token_file", path)?);
-            tracing::info!("control topic on: rollout commands with the token in control.token_file");
+        if let Some(auth) = control {
+            service = service.with_control(auth);
+            tracing::info!(
+                "control topic on: rollout commands signed with the key in control.key_file, issued within \
+                 control.max_skew_s = {} s",
+                config.control.max_skew_s
+            );
         }
         let (heartbeat, refresh_status) = (service.heartbeat(), service.status_refresher());
         let (stop, _) = watch::channel(false);
@@ -158,9 +176,16 @@ impl Node {
                 if http_config.admin_token_file.is_some() {
                     "needs http.admin_token_file's token"
                 } else {
-                    "loopback only"
+                    "loopback only (status and cache)"
                 },
             );
+            if http_config.admin_token_file.is_none() {
+                // A loopback peer may be anyone through ssh -L or a proxy.
+                tracing::warn!(
+                    "no http.admin_token_file: rollout commands over HTTP (/models/promote, /models/rollback, \
+                     /models/rollout) are refused until it is set"
+                );
+            }
             let listener = http::Listener {
                 tcp,
                 tls,
@@ -173,6 +198,14 @@ impl Node {
             http_server = Some(tokio::spawn(http::serve(listener, router, stopped(stop.subscribe()))));
         }
         let mqtt = tokio::spawn(service.run(stopped(stop.subscribe())));
+        if let Some(to_site) = to_site {
+            let link = crate::transport::mqtt::SiteLink::new(&config)?;
+            tokio::spawn(link.run(engine.clone(), to_site, stopped(stop.subscribe())));
+            tracing::info!(
+                "site rollouts on: the site's state on {}/site/rollout/MODEL, judged by one node of the site",
+                config.mqtt.topic_prefix
+            );
+        }
         Ok(Node {
             engine,
             config_at_start: config.clone(),
@@ -322,6 +355,7 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
         })?),
     };
     let login = crate::transport::mqtt::credentials(mqtt)?;
+    refuse_control_on_open_broker(config.control.enabled, v5, v311, login.as_ref())?;
     let user = login.as_ref().map(|(user, _)| user.clone());
     broker::start(broker::Listeners { v5, v311 }, login, config.limits.max_packet_bytes)?;
     tracing::info!(
@@ -338,6 +372,32 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
          crash); sites run mosquitto or another broker with persistence and point mqtt.url at it"
     );
     Ok(())
+}
+
+/// With `control.enabled`, the key commands must be signed with.
+fn control_auth(config: &Config) -> Result<Option<crate::transport::mqtt::ControlAuth>, NodeError> {
+    let control = &config.control;
+    let (true, Some(path)) = (control.enabled, &control.key_file) else { return Ok(None) };
+    let key = crate::transport::mqtt::ControlKey::read(path)?;
+    Ok(Some(crate::transport::mqtt::ControlAuth::new(key, control.max_skew_s)))
+}
+
+/// An embedded broker that takes anyone from the network (no login) has no
+/// topic ACLs either: whoever reaches it could watch the control topic and
+/// flood it. Signatures keep such a client from commanding the node; the
+/// node still refuses to offer it a control topic there.
+fn refuse_control_on_open_broker(
+    control: bool,
+    v5: SocketAddr,
+    v311: Option<SocketAddr>,
+    login: Option<&(String, String)>,
+) -> Result<(), NodeError> {
+    let has_login = login.is_some_and(|(_, password)| !password.is_empty());
+    let open = std::iter::once(v5).chain(v311).find(|listen| !listen.ip().is_loopback());
+    match open {
+        Some(listen) if control && !has_login => Err(NodeError::ControlOnOpenBroker { listen }),
+        _ => Ok(()),
+    }
 }
 
 /// Where the embedded broker takes MQTT 5 clients: `mqtt.embedded_listen`,
@@ -427,5 +487,24 @@ mod tests {
         assert_eq!(embedded_listen(lan, Some("0.0.0.0:1883")).unwrap(), "0.0.0.0:1883".parse().unwrap());
         let bad = embedded_listen(local, Some("nowhere")).unwrap_err().to_string();
         assert!(bad.starts_with("mqtt.embedded_listen = \"nowhere\""), "{bad}");
+    }
+
+    #[test]
+    fn finding_2_control_on_an_embedded_broker_open_to_the_network_needs_a_login() {
+        let (local, lan): (SocketAddr, SocketAddr) =
+            ("127.0.0.1:1883".parse().unwrap(), "0.0.0.0:1883".parse().unwrap());
+        let login = ("fleet".to_string(), "pw".to_string());
+        let no_password = ("fleet".to_string(), String::new());
+        assert!(refuse_control_on_open_broker(true, local, None, None).is_ok());
+        assert!(refuse_control_on_open_broker(false, lan, None, None).is_ok());
+        assert!(refuse_control_on_open_broker(true, lan, None, Some(&login)).is_ok());
+        let refused = refuse_control_on_open_broker(true, lan, None, None).unwrap_err().to_string();
+        assert!(
+            refused.starts_with("control.enabled = true") && refused.contains("mqtt.username"),
+            "{refused}"
+        );
+        assert!(refuse_control_on_open_broker(true, lan, None, Some(&no_password)).is_err());
+        // The MQTT 3.1.1 listener opens it as much.
+        assert!(refuse_control_on_open_broker(true, local, Some(lan), None).is_err());
     }
 }

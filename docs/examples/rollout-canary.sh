@@ -8,6 +8,9 @@ mkdir -p $W/models/digits
 cp -r ./models/digits/1 $W/models/digits/1
 cp -r ./models/digits/1 $W/models/digits/2
 sed -i 's/version = "1"/version = "2"/' $W/models/digits/2/model.toml
+# Rollout commands over HTTP need the admin token; the node and the commands read it from here.
+echo "example-admin-token" > $W/admin.token
+export EDGEINFER_HTTP__ADMIN_TOKEN_FILE=$W/admin.token
 export EDGEINFER_NODE__STATE_DIR=$W/state EDGEINFER_HTTP__LISTEN=127.0.0.1:19464 EDGEINFER_MQTT__EMBEDDED_BROKER=true EDGEINFER_MQTT__URL=mqtt://127.0.0.1:11883 EDGEINFER_NODE__ID=gw-1
 $B --models-dir $W/models models promote digits 1 >/dev/null
 $B --models-dir $W/models serve --log warn &
@@ -21,7 +24,8 @@ t=time.time(); i=0
 while time.time()-t<40:
     r=rows[i%len(rows)]
     body=json.dumps({"id":f"req-{i}","inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[float(x) for x in r[1:]]}]})
-    c.request('POST','/v2/models/digits/infer',body,{'Content-Type':'application/json'}); c.getresponse().read()
+    # 200 devices, each naming itself: a rollout splits HTTP clients by X-Device-Id.
+    c.request('POST','/v2/models/digits/infer',body,{'Content-Type':'application/json','X-Device-Id':f"dev-{i%200}"}); c.getresponse().read()
     i+=1; time.sleep(0.005)
 PY
 LOAD=$!

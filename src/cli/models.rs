@@ -48,8 +48,9 @@ pub enum ModelsCommand {
     /// state pins, or the newest), what a rollback would return to, the
     /// versions there are and the last decisions. Asks the running node
     /// (admin routes on http.listen: loopback, or http.admin_token_file's
-    /// token); with no node running, reads node.state_dir and the models
-    /// directory.
+    /// token), or with --via-mqtt its control topic (a command signed with
+    /// control.key_file's key); with no node running, reads node.state_dir
+    /// and the models directory.
     Status {
         /// Only this model.
         model: Option<String>,
@@ -59,7 +60,10 @@ pub enum ModelsCommand {
     /// Make a version the stable one: it answers every request that names
     /// no version, at once, with nothing reloaded; the one it replaces is
     /// what `models rollback` returns to. Written to node.state_dir before
-    /// it takes effect, so it holds across restarts.
+    /// it takes effect, so it holds across restarts. A running node takes it
+    /// only with http.admin_token_file's token (sent from --config), or
+    /// signed with control.key_file's key on its control topic (--via-mqtt);
+    /// with no node running, the state file is changed directly.
     Promote {
         /// The model's name.
         model: String,
@@ -70,7 +74,8 @@ pub enum ModelsCommand {
     },
     /// Return a model to the stable version before the current one (without
     /// any deployment state yet: the next older version), at once. A newer
-    /// version on disk then waits for `models promote`.
+    /// version on disk then waits for `models promote`. Needs the admin
+    /// token as `promote` does.
     Rollback {
         /// The model's name.
         model: String,
@@ -88,6 +93,7 @@ pub enum ModelsCommand {
     /// once; a step short of samples waits and, after max_wait_s, holds (or
     /// rolls back). `models status` shows the step, the gates and the
     /// figures; `models promote` or `models rollback` end it any time.
+    /// Needs the admin token as `promote` does.
     Rollout {
         /// The model's name.
         model: String,

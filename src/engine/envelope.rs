@@ -19,10 +19,14 @@ pub struct Envelope<'a> {
     /// Where a second reply can go (MQTT); without one, async enrichment
     /// is answered synchronously.
     pub follow_up: Option<&'a FollowUpTo>,
+    /// Who sent it, as far as the transport can tell (the reply topic over
+    /// MQTT; `X-Device-Id` or the peer's address over HTTP): a rollout
+    /// splits devices by it, so one device keeps one version.
+    pub device: Option<&'a str>,
 }
 
 impl<'a> Envelope<'a> {
     pub fn model(model: &'a str) -> Self {
-        Envelope { model, version: None, deadline: None, transport: "cli", follow_up: None }
+        Envelope { model, version: None, deadline: None, transport: "cli", follow_up: None, device: None }
     }
 }

@@ -14,6 +14,7 @@ mod generation;
 mod options;
 mod postprocess;
 mod preprocess;
+mod probe;
 mod resolve;
 mod run;
 mod stats;
@@ -26,13 +27,14 @@ pub use cascade::{CascadePolicy, CloudTier};
 pub use decode::{Decoded, Peek, peek};
 pub use envelope::Envelope;
 pub use options::EngineOptions;
+pub use probe::{ProbeError, Role, Unanswered};
 pub use run::{Runner, SpawnError};
 pub use stats::ModelStats;
 
 use crate::cloud::Settled;
-use crate::model::{LoadedModel, Registry};
+use crate::model::{LoadedModel, Registry, RuntimeOptions};
 use crate::protocol::{Encoding, ErrorCode, FollowUp, InferError, InferRequest, InferResponse, codec};
-use crate::rollout::{Deployments, Rollout};
+use crate::rollout::{Deployments, Rollout, RolloutError};
 use crate::telemetry::{self, Stage};
 use cache::Lookup;
 use cascade::Cascade;
@@ -88,6 +90,9 @@ pub struct Engine {
     reload_outcome: Mutex<(Option<String>, Vec<&'static str>)>,
     /// The sha256 of the config in service, for the deployment record.
     config_sha256: Mutex<Option<String>>,
+    /// How the config in service loads a model version (its batch sizes),
+    /// for a version `models rollout` names before any reload found it.
+    runtime_options: Mutex<RuntimeOptions>,
 }
 
 impl Engine {
@@ -112,6 +117,7 @@ impl Engine {
             stats: Stats::start(),
             reload_outcome: Default::default(),
             config_sha256: Default::default(),
+            runtime_options: Default::default(),
         })
     }
 
@@ -133,6 +139,47 @@ impl Engine {
         use sha2::{Digest, Sha256};
         let hash = hex::encode(Sha256::digest(format!("{config:?}").as_bytes()));
         *self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()) = Some(hash);
+        let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: true };
+        *self.runtime_options.lock().unwrap_or_else(|e| e.into_inner()) = runtime;
+    }
+
+    /// Loads `model` v`version` when its directory is there, beside the
+    /// model's loaded versions, but no reload has loaded it yet: `models
+    /// rollout` of a version just dropped in needs no SIGHUP first. Its
+    /// sha256 and golden checks run first; a version that fails them is
+    /// refused with the reason. Nothing to load (already loaded, or no such
+    /// directory) is `Ok`: starting the rollout then names what there is.
+    pub async fn load_new_version(&self, model: &str, version: &str) -> Result<(), RolloutError> {
+        let registry = self.registry();
+        let Some(sibling) = registry.all().find(|m| m.name() == model) else { return Ok(()) };
+        if registry.get(model, Some(version)).is_ok() || !crate::model::valid_model_name(version) {
+            return Ok(());
+        }
+        let Some(dir) = sibling.dir.parent().map(|parent| parent.join(version)) else { return Ok(()) };
+        if !dir.join("model.toml").is_file() {
+            return Ok(());
+        }
+        let options = self.runtime_options.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let load = move || crate::model::LoadedModel::load(&dir, &options);
+        let refused = |reason: String| RolloutError::VersionRefused {
+            model: model.into(),
+            version: version.into(),
+            reason,
+        };
+        let loaded = match tokio::task::spawn_blocking(load).await {
+            Ok(Ok(loaded)) => Arc::new(loaded),
+            Ok(Err(e)) => return Err(refused(e.to_string())),
+            Err(e) => return Err(refused(format!("its load stopped: {e}"))),
+        };
+        tracing::info!("loaded {model} v{version} for its rollout ({:?})", loaded.load_time);
+        // Onto the registry in service now (a reload may have swapped one
+        // in while this version loaded).
+        let (before, options) = (self.registry(), self.current().options.clone());
+        let next = Arc::new(before.with_version(loaded));
+        next.plan_rest_in_background();
+        self.reload(next.clone(), options).map_err(|e| refused(e.to_string()))?;
+        crate::telemetry::describe_models(Some(&before), &next);
+        Ok(())
     }
 
     /// Serves the versions the deployment state pins from now on.
@@ -482,49 +529,49 @@ impl Engine {
     }
 
     /// One request through the whole pipeline (cache skipped, edge only)
-    /// on every model in service: the watchdog's proof that requests still
-    /// flow. A model too busy to take it (`overloaded`) is alive only if it
-    /// finished a batch since the previous probe; a full queue that does not
-    /// move is a wedged model. Tier `fast`: a zeros input may fall below the
-    /// model's threshold, and a slow cloud must not make a healthy node miss
-    /// its watchdog.
-    pub async fn probe(&self) -> Result<(), String> {
+    /// on every version in service, a rollout's candidate included: the
+    /// watchdog's proof that requests still flow. Each version gets
+    /// `within`, all at once, so a wedged one neither uses up the others'
+    /// time nor hides which it was. A version too busy to take it
+    /// (`overloaded`) is alive only if it finished a batch since the
+    /// previous probe; a full queue that does not move is a wedged version.
+    pub async fn probe(&self, within: Duration) -> Result<(), ProbeError> {
         let generation = self.current();
-        // The versions that answer requests naming none (a pinned stable,
-        // not merely the newest).
-        let models = self.serving();
-        if models.is_empty() {
-            return Err("no model is in service".into());
+        let deployments = self.deployments();
+        let versions = probe::in_service(&generation.runners, deployments.as_deref());
+        if versions.is_empty() {
+            return Err(ProbeError::NothingInService);
         }
-        for model in models {
-            let spec = &model.manifest.input;
-            let shape: Vec<i64> = spec.shape.iter().map(|&d| if d < 0 { 1 } else { d }).collect();
-            let elements = shape.iter().product::<i64>() as usize;
-            let mut req = InferRequest::single(
-                "watchdog",
-                &spec.name,
-                shape,
-                spec.datatype,
-                crate::protocol::TensorData::Number(vec![0.0; elements]),
-            );
-            req.parameters.cache = Some(false);
-            req.parameters.deadline_ms = Some(5000);
-            req.parameters.tier = Some(crate::protocol::Tier::Fast);
-            req.parameters.model_version = Some(model.version().to_string());
-            let failed = match self.run(&generation, Envelope::model(model.name()), req).await {
-                Ok(_) => None,
-                Err(e) if e.code == ErrorCode::Overloaded => {
-                    let runner = generation.runners.get(model.name(), Some(model.version()));
-                    (!runner.is_ok_and(|r| r.progressed()))
-                        .then(|| "its queue is full and no batch finished since the last probe".to_string())
+        let probes = versions.iter().map(|version| self.probe_one(&generation, version, within));
+        let unanswered: Vec<_> = futures_util::future::join_all(probes).await.into_iter().flatten().collect();
+        if unanswered.is_empty() { Ok(()) } else { Err(ProbeError::Unanswered(unanswered)) }
+    }
+
+    /// The probe of one version: what went wrong, if anything.
+    async fn probe_one(
+        &self,
+        generation: &Generation,
+        version: &probe::InService<'_>,
+        within: Duration,
+    ) -> Option<probe::Unanswered> {
+        let model = version.runner.model();
+        let req = probe::request(model, within);
+        let answer =
+            tokio::time::timeout(within, self.run(generation, Envelope::model(model.name()), req)).await;
+        let no_answer = || format!("no answer within {} ms", within.as_millis());
+        let why = match answer {
+            Ok(Ok(_)) => return None,
+            Ok(Err(e)) if e.code == ErrorCode::Overloaded => {
+                if version.runner.progressed() {
+                    return None;
                 }
-                Err(e) => Some(e.to_string()),
-            };
-            if let Some(why) = failed {
-                return Err(format!("{} v{}: {why}", model.name(), model.version()));
+                "its queue is full and no batch finished since the last probe".to_string()
             }
-        }
-        Ok(())
+            Ok(Err(e)) if e.code == ErrorCode::DeadlineExceeded => no_answer(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => no_answer(),
+        };
+        Some(probe::Unanswered::new(version, why))
     }
 }
 

@@ -2,9 +2,9 @@
 //! threads that run it, so the two cannot disagree. The version a transport
 //! names (`/v2/models/M/versions/V/infer`) wins over
 //! `parameters.model_version`, which wins over the deployment state: during
-//! a rollout the candidate answers its share of devices (sticky by reply
-//! topic, so a device does not flip between versions), otherwise the stable
-//! version it pins, otherwise the newest.
+//! a rollout the candidate answers its share of devices (sticky by the
+//! device the transport names, so a device does not flip between versions),
+//! otherwise the stable version it pins, otherwise the newest.
 
 use super::envelope::Envelope;
 use super::run::Runner;
@@ -54,13 +54,22 @@ pub fn resolve<'g>(
         let trial = Trial { other: on_trial, compare: sampled(), step_id };
         return Ok(Route { runner: stable, trial: Some(trial) });
     }
-    // The device: its reply topic (MQTT); without one (HTTP), the request.
-    let device = envelope.follow_up.map_or(req.id.as_str(), |f| f.route.topic.as_str());
-    if bucket(device) < u32::from(candidate.share()) * 100 {
+    let place = split_key(envelope.device, &req.id).map_or_else(|| fastrand::u32(..10_000), bucket);
+    if place < u32::from(candidate.share()) * 100 {
         Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare: sampled(), step_id }) })
     } else {
         Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false, step_id }) })
     }
+}
+
+/// What a request is split by: the device the transport names (its reply
+/// topic over MQTT; `X-Device-Id`, else the peer's address, over HTTP), else
+/// the request's id. Not the HTTP bearer token: `http.token_file` holds one
+/// token that every device presents, so it names no device. `None` when
+/// neither is known: hashing an empty key would put every such request in
+/// one bucket, so a 50% split would send them all to one version.
+fn split_key<'k>(device: Option<&'k str>, id: &'k str) -> Option<&'k str> {
+    device.filter(|d| !d.is_empty()).or(Some(id).filter(|id| !id.is_empty()))
 }
 
 /// The device's place in 0..10000, the same in every process (SipHash with
@@ -79,5 +88,14 @@ mod tests {
         let under_5 = (0..10_000).filter(|i| super::bucket(&format!("site/dev{i}/replies")) < 500).count();
         assert!((350..650).contains(&under_5), "{under_5} of 10000 devices at 5%");
         assert_eq!(super::bucket("a/b"), super::bucket("a/b"));
+    }
+
+    #[test]
+    fn the_http_split_follows_the_device_and_never_hashes_an_empty_key() {
+        assert_eq!(super::split_key(Some("gw-7"), "req-1"), Some("gw-7"));
+        assert_eq!(super::split_key(Some(""), "req-1"), Some("req-1"), "an empty device: the id");
+        assert_eq!(super::split_key(None, "req-1"), Some("req-1"));
+        assert_eq!(super::split_key(None, ""), None, "nothing to split by: a random place");
+        assert_eq!(super::split_key(Some(""), ""), None);
     }
 }

@@ -54,7 +54,7 @@ impl Runner {
         let run_model = model.clone();
         let run: Arc<RunBatch> = Arc::new(move |rows, input: &TensorData| {
             panic_on_marked_input(run_model.name(), input);
-            slow_inference(run_model.name());
+            slow_inference(&run_model);
             run_model.run(rows, input).map_err(|e| InferError::internal(e.to_string()))
         });
         Runner::start_with(model, policy, threads, capacity, run)
@@ -199,14 +199,19 @@ pub(super) fn failpoint_scope(arg: &str) -> (Option<&str>, &str) {
 }
 
 /// Fail point `inference_delay`: `return(MS)`, or `return(MODEL:MS)` for one
-/// model, makes every batch take that much longer (a slow model, for tests
-/// that need requests in flight).
+/// model, or `return(MODEL/VERSION:MS)` for one version of it (a wedged
+/// candidate beside a healthy stable), makes every batch take that much
+/// longer (a slow model, for tests that need requests in flight).
 #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
-fn slow_inference(model: &str) -> Option<()> {
+fn slow_inference(model: &LoadedModel) -> Option<()> {
     fail::fail_point!("inference_delay", |arg: Option<String>| {
         let arg = arg?;
         let (only, ms) = failpoint_scope(&arg);
-        if only.is_none_or(|m| m == model) {
+        let names_this_one = |scope: &str| match scope.split_once('/') {
+            Some((name, version)) => name == model.name() && version == model.version(),
+            None => scope == model.name(),
+        };
+        if only.is_none_or(names_this_one) {
             std::thread::sleep(std::time::Duration::from_millis(ms.parse().ok()?));
         }
         None

@@ -132,16 +132,11 @@ impl<'a> Watch<'a> {
         let (node, measure, threshold) = (settings.node.to_string(), settings.measure, settings.threshold);
         tokio::spawn(async move {
             let (answer, latency) = run(&other, input, &req, &node, measure).await;
-            let compared = match (&answer, &label) {
+            let compared = match &answer {
                 // Turned away by a full queue: extra work skipped, not a failure.
-                (Err(e), _) if e.code == ErrorCode::Overloaded => return,
-                (Err(_), _) => Compared::Failed,
-                (Ok(a), Some(label)) => match &a.response.parameters.label {
-                    Some(l) if l == label => Compared::Agreed,
-                    Some(_) => Compared::Disagreed,
-                    None => Compared::Unlabelled,
-                },
-                (Ok(_), None) => Compared::Unlabelled,
+                Err(e) if e.code == ErrorCode::Overloaded => return,
+                Err(_) => Compared::Failed,
+                Ok(a) => Compared::labels(label.as_deref(), a.response.parameters.label.as_deref()),
             };
             observer.observe(seen(other.model(), step_id, &answer, latency, threshold, compared));
         });

@@ -30,7 +30,8 @@ impl Refused {
 pub struct Registry {
     /// name -> version -> model, versions in serving order (see `VersionKey`).
     models: Versions<Arc<LoadedModel>>,
-    pub refused: Vec<Refused>,
+    /// Shared, so a registry made from another (`with_version`) keeps them.
+    pub refused: Vec<Arc<Refused>>,
 }
 
 /// Numeric versions sort numerically and after any non-numeric ones, so "10" > "9".
@@ -85,7 +86,9 @@ impl Registry {
         for (i, outcome) in loaded {
             match outcome {
                 Ok(model) => registry.insert(Arc::new(model)),
-                Err(error) => registry.refused.push(Refused { dir: version_dirs[i].clone(), error }),
+                Err(error) => {
+                    registry.refused.push(Arc::new(Refused { dir: version_dirs[i].clone(), error }))
+                }
             }
         }
         Ok(registry)
@@ -107,6 +110,18 @@ impl Registry {
         if let Err(e) = spawned {
             tracing::error!("cannot start the planner thread: {e}; batches run on the smallest plans");
         }
+    }
+
+    /// This registry with `model` added (loaded since, on its own): the
+    /// same versions, and the refusals but the one of `model`'s directory.
+    pub fn with_version(&self, model: Arc<LoadedModel>) -> Registry {
+        let mut next = Registry::default();
+        for loaded in self.all() {
+            next.insert(loaded.clone());
+        }
+        next.refused = self.refused.iter().filter(|r| r.dir != model.dir).cloned().collect();
+        next.insert(model);
+        next
     }
 
     pub fn insert(&mut self, model: Arc<LoadedModel>) {

@@ -32,10 +32,24 @@ pub enum Compared {
     No,
     Agreed,
     Disagreed,
-    /// Run on both, but the model has no labels to compare.
+    /// Run on both, but neither version gives labels to compare.
     Unlabelled,
     /// A comparison run that failed: nothing to compare.
     Failed,
+}
+
+impl Compared {
+    /// Two versions' labels for one input. A label on one side only is a
+    /// disagreement (a candidate that lost its labels must not pass the
+    /// gate on error rate and latency alone); unlabelled only when neither
+    /// version gives one.
+    pub fn labels(answered: Option<&str>, other: Option<&str>) -> Compared {
+        match (answered, other) {
+            (None, None) => Compared::Unlabelled,
+            (Some(a), Some(b)) if a == b => Compared::Agreed,
+            _ => Compared::Disagreed,
+        }
+    }
 }
 
 struct Figures {
@@ -159,6 +173,78 @@ impl Gate {
             self.samples,
             self.needed
         )
+    }
+}
+
+/// One version's figures as they travel between the nodes of a site: the
+/// counts, and the latency histogram as (value, count) pairs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FiguresWire {
+    pub answers: u64,
+    pub errors: u64,
+    pub escalations: u64,
+    pub escalation_known: u64,
+    pub latency_us: Vec<(u64, u64)>,
+}
+
+/// A step's figures on one node, as the judge of a site pools them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowWire {
+    pub stable: FiguresWire,
+    pub candidate: FiguresWire,
+    pub compared: u64,
+    pub agreed: u64,
+    pub unlabelled: u64,
+}
+
+/// Beyond it a wire histogram is cut: a peer's message cannot grow one
+/// without bound (two significant figures over 1 µs .. 600 s has ~1,000).
+const MAX_WIRE_BUCKETS: usize = 4096;
+
+impl Figures {
+    fn to_wire(&self) -> FiguresWire {
+        FiguresWire {
+            answers: self.answers,
+            errors: self.errors,
+            escalations: self.escalations,
+            escalation_known: self.escalation_known,
+            latency_us: self
+                .latency_us
+                .iter_recorded()
+                .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect(),
+        }
+    }
+
+    fn add_wire(&mut self, wire: &FiguresWire) {
+        self.answers += wire.answers;
+        self.errors += wire.errors;
+        self.escalations += wire.escalations;
+        self.escalation_known += wire.escalation_known;
+        for &(value, count) in wire.latency_us.iter().take(MAX_WIRE_BUCKETS) {
+            let _ = self.latency_us.record_n(value.clamp(1, 600_000_000), count);
+        }
+    }
+}
+
+impl Window {
+    pub fn to_wire(&self) -> WindowWire {
+        WindowWire {
+            stable: self.stable.to_wire(),
+            candidate: self.candidate.to_wire(),
+            compared: self.compared,
+            agreed: self.agreed,
+            unlabelled: self.unlabelled,
+        }
+    }
+
+    /// Adds another node's figures of the same step.
+    pub fn add_wire(&mut self, wire: &WindowWire) {
+        self.stable.add_wire(&wire.stable);
+        self.candidate.add_wire(&wire.candidate);
+        self.compared += wire.compared;
+        self.agreed += wire.agreed;
+        self.unlabelled += wire.unlabelled;
     }
 }
 
@@ -387,6 +473,47 @@ mod tests {
 
     fn policy() -> RolloutPolicy {
         RolloutPolicy { min_requests: 20, bake_s: 10, max_wait_s: 100, ..RolloutPolicy::default() }
+    }
+
+    #[test]
+    fn a_label_on_one_side_only_is_a_disagreement_so_agreement_stays_on() {
+        assert_eq!(Compared::labels(Some("3"), None), Compared::Disagreed);
+        assert_eq!(Compared::labels(None, Some("3")), Compared::Disagreed);
+        assert_eq!(Compared::labels(None, None), Compared::Unlabelled);
+        assert_eq!(Compared::labels(Some("3"), Some("3")), Compared::Agreed);
+        // A candidate without labels beside a labelled stable fails the gate.
+        let c = candidate(policy());
+        let mut w = Window::default();
+        for _ in 0..20 {
+            let compared = Compared::labels(Some("7"), None);
+            w.record(&Seen { compared, ..seen(1000, false, None) }, true);
+            w.record(&seen(1000, false, None), false);
+        }
+        let Verdict::Fail { reason, .. } = verdict(&c, w.gates(&c.policy), 110) else { panic!() };
+        assert!(reason.starts_with("gate agreement failed"), "{reason}");
+    }
+
+    #[test]
+    fn a_site_judges_the_figures_of_its_nodes_pooled() {
+        let c = candidate(policy());
+        // Two nodes, each short of samples; pooled, the slow candidate fails.
+        let node = || {
+            let mut w = Window::default();
+            for _ in 0..10 {
+                w.record(&seen(30_000, false, Some(true)), true);
+                w.record(&seen(1000, false, None), false);
+            }
+            w
+        };
+        assert_eq!(verdict(&c, node().gates(&c.policy), 150), Verdict::Wait);
+        let mut pooled = node();
+        let wire = node().to_wire();
+        let wire: WindowWire = serde_json::from_str(&serde_json::to_string(&wire).unwrap()).unwrap();
+        pooled.add_wire(&wire);
+        let Verdict::Fail { reason, gates } = verdict(&c, pooled.gates(&c.policy), 150) else { panic!() };
+        assert!(reason.starts_with("gate latency failed"), "{reason}");
+        assert_eq!(gates[0].samples, 20, "{gates:?}");
+        assert!(gates[2].candidate.unwrap() > 25.0, "{gates:?}");
     }
 
     #[test]

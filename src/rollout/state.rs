@@ -3,7 +3,8 @@
 //! to) and the decisions taken. Written whole to a new file, synced, then
 //! renamed over the old one, before a decision takes effect: a kill -9 at
 //! any moment leaves the old state or the new, never a torn one. A node
-//! without the file serves as it always did: the newest version.
+//! without the file serves as it always did: the newest version. How a
+//! rollout starts and steps is in `plan.rs`; ending one (a rollback) is here.
 
 use super::candidate::Candidate;
 use super::gates::Gate;
@@ -25,6 +26,8 @@ pub enum RolloutError {
     UnknownVersion { model: String, version: String, known: String },
     #[error("model {model}: nothing to roll back to ({why})")]
     NothingToRollBack { model: String, why: String },
+    #[error("model {model} v{version} was found but refused at load: {reason}")]
+    VersionRefused { model: String, version: String, reason: String },
     #[error("model {model} v{version} is already stable")]
     AlreadyStable { model: String, version: String },
     #[error("model {model} has v{version} in a {mode} rollout; promote or roll it back first")]
@@ -33,6 +36,15 @@ pub enum RolloutError {
     BadPolicy(String),
     #[error("the deployment state {path}: {reason}")]
     State { path: PathBuf, reason: String },
+    #[error(
+        "command id {id:?} was used for {was:?}; this command asks {now:?}: give each command its own id"
+    )]
+    IdReused { id: String, was: String, now: String },
+    #[error(
+        "the rollout task did not answer within {waited_s} s (the state disk may be slow or hung); the command \
+         may still take effect: check `models status`, and send it again with the same id if it did not"
+    )]
+    Slow { waited_s: u64 },
     #[error("the rollout task has stopped")]
     Stopped,
 }
@@ -45,8 +57,11 @@ impl RolloutError {
             RolloutError::UnknownModel { .. } | RolloutError::UnknownVersion { .. } => "unknown_model",
             RolloutError::NothingToRollBack { .. }
             | RolloutError::AlreadyStable { .. }
-            | RolloutError::InRollout { .. } => "conflict",
+            | RolloutError::InRollout { .. }
+            | RolloutError::IdReused { .. }
+            | RolloutError::VersionRefused { .. } => "conflict",
             RolloutError::BadPolicy(_) => "invalid_payload",
+            RolloutError::Slow { .. } => "overloaded",
             RolloutError::State { .. } | RolloutError::Stopped => "internal",
         }
     }
@@ -94,11 +109,15 @@ impl Action {
 pub struct Asker {
     pub by: String,
     pub command_id: Option<String>,
+    /// What the command asks (`promote digits v2`), filled in by the owner
+    /// thread: kept with the id, so an id reused for another command is
+    /// refused instead of answered with an unrelated decision.
+    pub asked: Option<String>,
 }
 
 impl Asker {
     pub fn named(by: &str) -> Asker {
-        Asker { by: by.into(), command_id: None }
+        Asker { by: by.into(), command_id: None, asked: None }
     }
 }
 
@@ -121,6 +140,9 @@ pub struct Decision {
     /// is not applied twice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command_id: Option<String>,
+    /// What that command asked (`Asker::asked`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
     /// The gates' figures a rollout decision was taken on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gates: Vec<Gate>,
@@ -150,6 +172,7 @@ impl Decision {
             by: asker.by.clone(),
             reason: reason.into(),
             command_id: asker.command_id.clone(),
+            command: asker.command_id.as_ref().and(asker.asked.clone()),
             gates: Vec::new(),
         }
     }
@@ -168,6 +191,15 @@ pub struct Deployment {
     /// A version being tried on part of the traffic, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidate: Option<Candidate>,
+    /// Counts the changes to this deployment: with `site.rollout`, the
+    /// site's copy replaces a node's when its count is higher.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub seq: u64,
+    /// Why this deployment is in service but not yet on disk: a decision
+    /// that sends traffic back to stable takes effect at once, and its save
+    /// is retried (a kill -9 meanwhile returns to the state on disk).
+    #[serde(skip)]
+    pub unsaved: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -217,6 +249,8 @@ impl Deployments {
     pub fn save(&self, state_dir: &Path) -> Result<(), RolloutError> {
         let path = state_dir.join(FILE_NAME);
         let error = |e: std::io::Error| RolloutError::State { path: path.clone(), reason: e.to_string() };
+        // `sleep(MS)`: a hung disk; `return`: one that refuses the write.
+        fail::fail_point!("rollout_save", |_| Err(error(std::io::Error::other("failpoint rollout_save"))));
         std::fs::create_dir_all(state_dir).map_err(error)?;
         let fresh = state_dir.join(format!("{FILE_NAME}.new"));
         let mut file = std::fs::File::create(&fresh).map_err(error)?;
@@ -225,6 +259,11 @@ impl Deployments {
         std::fs::rename(&fresh, &path).map_err(error)?;
         // The rename itself is durable once the directory is synced.
         std::fs::File::open(state_dir).and_then(|d| d.sync_all()).map_err(error)
+    }
+
+    /// Whether any decision is in service but not yet on disk.
+    pub fn has_unsaved(&self) -> bool {
+        self.models.values().any(|d| d.unsaved.is_some())
     }
 
     /// The decision a command with this id already took, if any.
@@ -282,6 +321,33 @@ impl Deployments {
         Ok(record(deployment, Decision::new(model, Action::Promoted, &version, &from, asker, now_s)))
     }
 
+    /// Pins `version` (the one serving) as `model`'s stable where nothing is
+    /// pinned: with `auto_rollout`, a version found later, even by a
+    /// restart, is then tried against it instead of serving everyone.
+    pub fn pin(
+        &mut self,
+        model: &str,
+        version: &str,
+        asker: &Asker,
+        now_s: u64,
+    ) -> Result<Decision, RolloutError> {
+        if let Some(stable) = self.stable(model) {
+            return Err(RolloutError::AlreadyStable { model: model.into(), version: stable.into() });
+        }
+        let deployment = self.models.entry(model.to_string()).or_default();
+        let mut decision = Decision::new(model, Action::Promoted, version, "", asker, now_s);
+        decision.reason = "pinned as stable: with auto_rollout a new version is tried against it".into();
+        Ok(record(deployment, decision))
+    }
+
+    /// Whether any decision of `model` names `version` (started, promoted,
+    /// rolled back from or to it).
+    pub fn decided_on(&self, model: &str, version: &str) -> bool {
+        self.models
+            .get(model)
+            .is_some_and(|d| d.history.iter().any(|h| h.version == version || h.from == version))
+    }
+
     /// Returns `model` to the stable before the current one (without state:
     /// the next older available version).
     pub fn rollback(
@@ -321,6 +387,28 @@ impl Deployments {
         };
         Ok(record(deployment, Decision::new(model, Action::RolledBack, &version, &from, asker, now_s)))
     }
+
+    /// Ends `model`'s rollout, if it has one: all traffic to stable. `why`:
+    /// the gate that failed (none: a person asked).
+    pub(super) fn abandon(
+        &mut self,
+        model: &str,
+        asker: &Asker,
+        now_s: u64,
+        why: Option<(String, Vec<Gate>)>,
+    ) -> Option<Decision> {
+        let deployment = self.models.get_mut(model)?;
+        let candidate = deployment.candidate.take()?;
+        let stable = deployment.stable.clone();
+        let mut decision =
+            Decision::new(model, Action::RolledBack, &stable, &candidate.version, asker, now_s);
+        if let Some((reason, gates)) = why {
+            (decision.reason, decision.gates) = (reason, gates);
+        } else {
+            decision.reason = format!("rollout rolled back by command at {}", candidate.describe_step());
+        }
+        Some(record(deployment, decision))
+    }
 }
 
 /// One model's deployment as `models status` shows it.
@@ -343,6 +431,9 @@ pub struct ModelReport {
     /// Its figures and gates at this step (only a running node has them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trial: Option<super::gates::Trial>,
+    /// The last decision took effect but is not on disk yet: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unsaved: Option<String>,
 }
 
 impl Deployments {
@@ -393,6 +484,7 @@ impl Deployments {
                     history: deployment.map(|d| d.history.clone()).unwrap_or_default(),
                     candidate: deployment.and_then(|d| d.candidate.clone()),
                     trial: None,
+                    unsaved: deployment.and_then(|d| d.unsaved.clone()),
                 }
             })
             .collect())
@@ -439,6 +531,10 @@ pub(super) fn record(deployment: &mut Deployment, decision: Decision) -> Decisio
     deployment.history.push(decision.clone());
     keep_last(&mut deployment.history);
     decision
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Drops the oldest entries beyond `HISTORY`.

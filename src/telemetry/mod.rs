@@ -58,10 +58,16 @@ pub const CACHE_LOOKUPS: &str = "edgeinfer_cache_lookups_total";
 /// 1 while the shared Redis layer answers (`cache.redis.enabled`).
 pub const CACHE_REDIS_UP: &str = "edgeinfer_cache_redis_up";
 /// Redis lookups and stores that did not help, by `reason`: `timeout`
-/// (over `cache.redis.timeout_ms`), `error`, `corrupt` (a value whose
-/// checksum failed: a miss), `busy` (the writer's queue was full),
-/// `skipped` (a store while the layer rested after failures).
+/// (over `cache.redis.timeout_ms`), `error`, `busy` (the writer's queue
+/// was full), `skipped` (a store while the layer rested after failures),
+/// `full` (a write Redis refused), `oversized` (an answer over the 1 MiB
+/// a node reads, kept on the node).
 pub const CACHE_REDIS_ERRORS: &str = "edgeinfer_cache_redis_errors_total";
+/// Values Redis gave that were not served (each a miss), by `reason`:
+/// `signature` (not signed with the site key: forged, or another key),
+/// `unsigned` (not a signed value of this format), `oversized` (over
+/// 1 MiB, not read whole), `undecodable` (signed, yet not an answer).
+pub const CACHE_REDIS_REJECTED: &str = "edgeinfer_cache_redis_rejected_total";
 /// Entries and bytes held, by `layer` (`memory`, `disk`).
 pub const CACHE_ENTRIES: &str = "edgeinfer_cache_entries";
 pub const CACHE_BYTES: &str = "edgeinfer_cache_bytes";
@@ -227,7 +233,11 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_gauge!(CACHE_REDIS_UP, "1 while the shared Redis cache layer answers");
     metrics::describe_counter!(
         CACHE_REDIS_ERRORS,
-        "Redis cache lookups and stores that did not help, by reason: timeout, error, corrupt, busy, skipped"
+        "Redis cache lookups and stores that did not help, by reason: timeout, error, busy, skipped, full, oversized"
+    );
+    metrics::describe_counter!(
+        CACHE_REDIS_REJECTED,
+        "Values read from the shared Redis layer and not served (a miss), by reason: signature, unsigned, oversized, undecodable"
     );
     metrics::describe_counter!(CACHE_DISK_ERRORS, "I/O errors that turned the disk cache layer off");
     metrics::describe_counter!(

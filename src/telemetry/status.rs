@@ -81,6 +81,9 @@ pub struct RolloutStatus {
     /// version's figures.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trial: Option<Trial>,
+    /// The last decision took effect but is not on disk yet: why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unsaved: Option<String>,
 }
 
 fn rollout(
@@ -103,6 +106,7 @@ fn rollout(
                 last_decision: d.history.last().cloned(),
                 candidate: d.candidate.clone(),
                 trial: trials.get(name).cloned(),
+                unsaved: d.unsaved.clone(),
             };
             (name.clone(), status)
         })

@@ -1,7 +1,7 @@
 //! The import structure docs/ARCHITECTURE.md promises, read from the
 //! source: the library's top-level modules import each other without a
-//! circle, and the request pipeline's stage files import their siblings,
-//! never the engine module that declares them, also without a circle.
+//! circle, the files of every folder too, and the request pipeline's stage
+//! files import their siblings, never the engine module that declares them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -98,31 +98,77 @@ fn the_top_level_modules_import_each_other_without_a_circle() {
     assert_eq!(circle(&graph), None, "a circle among the top-level modules; {graph:?}");
 }
 
+/// Every folder under `src/`, itself included.
+fn folders(dir: &Path) -> Vec<PathBuf> {
+    let mut all = vec![dir.to_path_buf()];
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            all.extend(folders(&path));
+        }
+    }
+    all.sort();
+    all
+}
+
+/// The files of one folder as a graph of which sibling each imports, by
+/// `super::NAME` or by `crate::PATH::NAME`. A name that is not a sibling
+/// (an item of the folder's `mod.rs`, or an outer module) is no edge here.
+fn sibling_imports(dir: &Path) -> (BTreeSet<String>, BTreeMap<String, BTreeSet<String>>) {
+    let siblings: BTreeSet<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir() || p.extension().is_some_and(|e| e == "rs"))
+        .filter(|p| !p.is_dir() || p.join("mod.rs").is_file())
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .filter(|name| name != "mod" && name != "lib" && name != "main")
+        .collect();
+    let module_path = dir.strip_prefix(src()).unwrap().to_string_lossy().replace('/', "::");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for name in &siblings {
+        let file = dir.join(format!("{name}.rs"));
+        let file = if file.is_file() { file } else { dir.join(name).join("mod.rs") };
+        let text = code(&file);
+        let mut imported = names_after(&text, "super::");
+        if !module_path.is_empty() {
+            imported.extend(names_after(&text, &format!("crate::{module_path}::")));
+        }
+        let deps = graph.entry(name.clone()).or_default();
+        deps.extend(imported.into_iter().filter(|n| siblings.contains(*n) && *n != name).map(str::to_string));
+    }
+    (siblings, graph)
+}
+
 #[test]
-fn the_engine_stages_import_their_siblings_without_a_circle() {
+fn the_files_of_every_folder_import_each_other_without_a_circle() {
+    let mut read = 0;
+    for dir in folders(&src()).into_iter().filter(|d| *d != src()) {
+        let (_, graph) = sibling_imports(&dir);
+        read += graph.values().filter(|d| !d.is_empty()).count();
+        assert_eq!(circle(&graph), None, "a circle among the files of {}: {graph:?}", dir.display());
+    }
+    assert!(read > 10, "the reading works: {read} files import a sibling");
+    // The rollout's files are layered: candidate, gates, state, plan.
+    let (_, rollout) = sibling_imports(&src().join("rollout"));
+    assert!(rollout["plan"].contains("state") && rollout["state"].contains("gates"), "{rollout:?}");
+}
+
+#[test]
+fn the_engine_stages_import_their_siblings_never_the_engine_module() {
     for dir in [src().join("engine"), src().join("engine/cache")] {
-        let siblings: BTreeSet<String> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
-            .filter(|name| name != "mod")
-            .collect();
-        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let (siblings, graph) = sibling_imports(&dir);
         for name in &siblings {
             let file = dir.join(format!("{name}.rs"));
             let file = if file.is_file() { file } else { dir.join(name).join("mod.rs") };
-            let deps = graph.entry(name.clone()).or_default();
             for imported in names_after(&code(&file), "super::") {
                 assert!(
                     siblings.contains(imported),
                     "{}: `super::{imported}` reaches into the parent module; import the sibling that defines it",
                     file.display()
                 );
-                deps.insert(imported.to_string());
             }
         }
         assert!(graph.values().any(|d| !d.is_empty()), "no imports read in {}", dir.display());
-        assert_eq!(circle(&graph), None, "a circle among {}: {graph:?}", dir.display());
     }
 }
 

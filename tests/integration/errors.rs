@@ -313,6 +313,10 @@ fn multi_row_request_answers_every_row_and_labels_row_zero() {
     assert!(top[0]["confidence"].as_f64() >= top[1]["confidence"].as_f64());
 }
 
+/// The time each version has to answer the watchdog's probe here: long,
+/// since a debug build on a shared machine is slow.
+const PROBE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The watchdog's probe runs on the edge only: a zeros input below a
 /// model's threshold used to escalate, so a slow cloud made a healthy node
 /// miss its watchdog. Here every answer escalates (threshold 1.0) to a
@@ -332,7 +336,7 @@ fn the_watchdog_probe_never_asks_the_cloud_tier() {
     options.cascade.insert("digits".into(), CascadePolicy::new(&always));
     let e = engine(options).with_cloud_tier(CloudTier { cloud, spool: None });
     let rt = rt();
-    rt.block_on(e.probe()).unwrap();
+    rt.block_on(e.probe(PROBE_WITHIN)).unwrap();
     let connected = silent.accept();
     assert!(connected.is_err(), "the probe connected to the cloud tier: {connected:?}");
 }
@@ -359,11 +363,11 @@ fn the_watchdog_probe_tries_every_model() {
     let registry = Registry::load(dir.path(), &RuntimeOptions::default()).unwrap();
     let e = Engine::new(Arc::new(registry), EngineOptions::default(), edgeinfer::engine::Cache::off());
     let rt = rt();
-    rt.block_on(e.probe()).unwrap();
+    rt.block_on(e.probe(PROBE_WITHIN)).unwrap();
     fail::cfg("inference_panic", "return(zz-probe:0)").unwrap();
-    let probed = rt.block_on(e.probe());
+    let probed = rt.block_on(e.probe(PROBE_WITHIN));
     fail::remove("inference_panic");
-    let err = probed.unwrap_err();
-    assert!(err.contains("zz-probe v1") && err.contains("failpoint"), "{err}");
-    rt.block_on(e.probe()).unwrap();
+    let err = probed.unwrap_err().to_string();
+    assert!(err.contains("zz-probe v1 (serving)") && err.contains("failpoint"), "{err}");
+    rt.block_on(e.probe(PROBE_WITHIN)).unwrap();
 }

@@ -1,27 +1,62 @@
 //! `edgeinfer models status|promote|rollback|rollout`: which version of a model
 //! serves, through the running node's admin routes, or on the deployment
-//! state file when no node runs (the node reads it at start).
+//! state file when no node runs (the node reads it at start), or as signed
+//! commands on a node's control topic (`--via-mqtt`).
 
 use anyhow::Result;
 use clap::Args;
-use edgeinfer::admin::{self, Change};
+use edgeinfer::admin::{self, Change, ViaMqtt};
 use edgeinfer::config::Config;
 use edgeinfer::rollout::{Decision, ModelReport};
 
 #[derive(Args)]
 pub struct Target {
     /// The node's HTTP address; default: http://<http.listen>.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "via_mqtt")]
     pub url: Option<String>,
+    /// Send it over MQTT instead of HTTP: a command signed with the key in
+    /// control.key_file of --config (HMAC-SHA256; the key never travels),
+    /// published on the node's PREFIX/NODE/control through the broker at
+    /// mqtt.url (with mqtt.username, the password and TLS of --config). The
+    /// node needs control.enabled and the same key; its answer is waited
+    /// for 10 s.
+    #[arg(long)]
+    pub via_mqtt: bool,
+    /// With --via-mqtt: the node's id (NODE in its topics); default node.id.
+    #[arg(long, requires = "via_mqtt", value_name = "ID")]
+    pub node: Option<String>,
+    /// With --via-mqtt: the command's id; default a new one. After an
+    /// `overloaded` answer, send the command again with the same id: the
+    /// node applies it once.
+    #[arg(long, requires = "via_mqtt", value_name = "ID")]
+    pub id: Option<String>,
+    /// With --via-mqtt: the topic the node answers on, one the broker lets
+    /// this client subscribe to and the node's mqtt.reply_prefixes admit;
+    /// default REPLY_PREFIX/CLIENT_ID/replies, REPLY_PREFIX the first of
+    /// mqtt.reply_prefixes, else edgeinfer-ctl.
+    #[arg(long, requires = "via_mqtt", value_name = "TOPIC")]
+    pub reply_topic: Option<String>,
     /// Print the answer as JSON.
     #[arg(long)]
     pub json: bool,
 }
 
+impl Target {
+    fn via_mqtt(&self) -> Option<ViaMqtt> {
+        self.via_mqtt.then(|| ViaMqtt {
+            node: self.node.clone(),
+            id: self.id.clone(),
+            reply_topic: self.reply_topic.clone(),
+        })
+    }
+}
+
 pub fn status(config: &Config, model: Option<String>, target: Target) -> Result<i32> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (report, source) =
-        rt.block_on(admin::models_status(config, target.url.as_deref(), model.as_deref()))?;
+    let (report, source) = match target.via_mqtt() {
+        Some(via) => rt.block_on(admin::models_status_via_mqtt(config, &via, model.as_deref()))?,
+        None => rt.block_on(admin::models_status(config, target.url.as_deref(), model.as_deref()))?,
+    };
     if target.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(0);
@@ -102,7 +137,10 @@ fn describe(d: &Decision) -> String {
 
 pub fn change(config: &Config, change: Change, target: Target) -> Result<i32> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (decision, source) = rt.block_on(admin::models_change(config, target.url.as_deref(), &change))?;
+    let (decision, source) = match target.via_mqtt() {
+        Some(via) => rt.block_on(admin::models_change_via_mqtt(config, &via, &change))?,
+        None => rt.block_on(admin::models_change(config, target.url.as_deref(), &change))?,
+    };
     if target.json {
         println!("{}", serde_json::to_string_pretty(&decision)?);
     } else {

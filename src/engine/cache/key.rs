@@ -22,9 +22,17 @@ impl Key {
             h.update(s.as_bytes());
         };
         // v2: replies gained `degraded` and `final`, so v1 records are not read.
-        text(&mut h, "edgeinfer-cache-v2");
+        // v3: the version's contents are in it (below), so v2 records are not read.
+        text(&mut h, "edgeinfer-cache-v3");
         text(&mut h, model.name());
         text(&mut h, model.version());
+        // What the version's directory holds, not just its name: nodes (or
+        // one node after a reload) with other files under the same version
+        // name give other answers, and must never share them. The model
+        // file's sha256 (checked at load) and the manifest's (labels,
+        // preprocessing and thresholds).
+        text(&mut h, &model.manifest.sha256);
+        text(&mut h, &model.manifest_sha256);
         // Parameters that change the reply.
         match req.parameters.top_k.filter(|&k| k > 0) {
             Some(k) => h.update([1].iter().chain(&k.to_le_bytes()).copied().collect::<Vec<u8>>()),
@@ -140,5 +148,22 @@ mod tests {
         v2.manifest.version = "2".into();
         let input = TensorData::F32(vec![0.0; 64]);
         assert_ne!(Key::new(&v1, &request(), &input), Key::new(&v2, &request(), &input));
+    }
+
+    /// Issue 35, finding 8: one version name with other contents (another
+    /// node's directory, or this one's replaced in place and reloaded).
+    #[test]
+    fn finding_8_the_model_and_manifest_sha256_are_in_the_key() {
+        let stock = digits();
+        let input = TensorData::F32(vec![0.0; 64]);
+        let base = Key::new(&stock, &request(), &input);
+        let mut other_file = digits();
+        other_file.manifest.sha256 =
+            "35d60f1edd1277316aa197b02188f0cc874de5f65010790cf1c7c8b55c60696d".into();
+        assert_ne!(Key::new(&other_file, &request(), &input), base, "another model file");
+        let mut other_manifest = digits();
+        other_manifest.manifest_sha256 = hex::encode([7; 32]);
+        assert_ne!(Key::new(&other_manifest, &request(), &input), base, "another manifest (labels, say)");
+        assert_eq!(Key::new(&digits(), &request(), &input), base, "the same contents: the same key");
     }
 }

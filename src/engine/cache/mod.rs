@@ -10,6 +10,7 @@ mod key;
 mod memory;
 mod record;
 mod redis;
+mod signed;
 
 pub use disk::{DiskError, DiskStats};
 pub use key::Key;
@@ -62,6 +63,7 @@ impl CacheOptions {
                 url: c.redis.url.clone(),
                 ca_file: c.redis.ca_file.clone(),
                 password_file: c.redis.password_file.clone(),
+                key_file: c.redis.key_file.clone(),
                 key_prefix: c.redis.key_prefix.clone(),
                 ttl: c.redis.ttl_s.map(Duration::from_secs),
                 timeout: Duration::from_millis(c.redis.timeout_ms),
@@ -233,20 +235,20 @@ impl Cache {
             return answer(model, wire, CacheStatus::Disk, "disk");
         }
         if let Some(redis) = &self.redis
-            && let Some(record) = redis.get(model, &key).await
-            && record.expires_at_ms > now
-            && let Ok(wire) = postcard::from_bytes::<WireResponse>(&record.body)
+            && let Some(shared) = redis.get(model, &key).await
+            && shared.expires_at_ms > now
+            && let Ok(wire) = postcard::from_bytes::<WireResponse>(&shared.body)
         {
             // Promoted: the next lookup here is a local hit.
-            let expires_at_ms = record.expires_at_ms;
+            let expires_at_ms = shared.expires_at_ms;
             flight.fill(Arc::new(Entry {
                 model: model.into(),
-                body: record.body.as_slice().into(),
+                body: shared.body.as_slice().into(),
                 expires_at_ms,
             }));
             self.publish_memory();
             if let Some(disk) = &self.disk {
-                disk.put(model, key, record.stored_at_ms, expires_at_ms, record.body);
+                disk.put(model, key, shared.stored_at_ms, expires_at_ms, shared.body);
             }
             return answer(model, wire, CacheStatus::Redis, "redis");
         }

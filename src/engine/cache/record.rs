@@ -6,7 +6,8 @@ use super::key::Key;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// One stored answer, postcard-encoded: the sled value, and the Redis one.
+/// One stored answer, postcard-encoded: the sled value (Redis holds
+/// signed values instead: `signed.rs`).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Record {
     /// Insertion number: the eviction order.

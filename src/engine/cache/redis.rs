@@ -10,12 +10,13 @@
 //! decide whether the layer is up: a Redis that refuses writes (full,
 //! under `noeviction`) still serves what it holds. Stores go to a writer
 //! task over a bounded channel, off the request path; every key gets an
-//! expiry. Values are the disk layer's checksummed records under a key
-//! that carries a format version, so a torn or foreign value is a miss,
-//! counted, never served.
+//! expiry. Values are signed with the site's key (`signed.rs`) under a key
+//! that carries a format version and, through `Key`, the model's content:
+//! a forged, foreign, torn or oversized value is a miss, counted, never
+//! served, and a lookup reads at most `MAX_VALUE_BYTES` of it.
 
 use super::key::Key;
-use super::record::Record;
+use super::signed::{self, MAX_VALUE_BYTES, Rejected, SharedAnswer, SiteKey};
 use crate::telemetry::{self, RedisState};
 use redis::AsyncCommands;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -27,8 +28,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// The key format: bump it when `Key` or `Record` change meaning.
-const FORMAT: &str = "v1";
+/// The key format: bump it when `Key` or the value change meaning. v2:
+/// keys cover the model's and manifest's sha256, values are signed; v1
+/// values (unsigned) are simply never looked up.
+const FORMAT: &str = "v2";
 /// Failed lookups in a row after which the layer rests, and for how long:
 /// `REST`, doubling while Redis stays away, up to `MAX_REST`.
 const TRIPS: u32 = 3;
@@ -36,6 +39,9 @@ const REST: Duration = Duration::from_secs(1);
 const MAX_REST: Duration = Duration::from_secs(5);
 /// Stores waiting for the writer; beyond it they are dropped and counted.
 const QUEUE: usize = 1024;
+/// At most one log line per this long about rejected values: a planted
+/// value looked up on every request must not flood the journal.
+const REJECTION_LOG_EVERY: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct RedisOptions {
@@ -43,6 +49,9 @@ pub struct RedisOptions {
     pub password_file: Option<std::path::PathBuf>,
     /// PEM roots for `rediss://`; `None`: the system's.
     pub ca_file: Option<std::path::PathBuf>,
+    /// The site key that signs and checks every value; without one the
+    /// layer does not open (nothing unsigned is ever written or served).
+    pub key_file: Option<std::path::PathBuf>,
     pub key_prefix: String,
     /// Expiry of every key; `None`: the answer's own TTL.
     pub ttl: Option<Duration>,
@@ -57,6 +66,14 @@ pub enum RedisError {
     Ca { path: String, reason: String },
     #[error("cache.redis.password_file {path}: {reason}")]
     Password { path: String, reason: String },
+    #[error(
+        "cache.redis.key_file is not set: the site key signs every shared answer; make one with \
+         `head -c 32 /dev/urandom | xxd -p > /etc/edgeinfer/redis.key`, copy it to every node and set \
+         cache.redis.key_file"
+    )]
+    NoKey,
+    #[error("cache.redis.key_file {path}: {reason}")]
+    Key { path: String, reason: String },
 }
 
 /// Whether the layer answers lookups, shared by the lookups (which
@@ -189,6 +206,45 @@ impl Health {
     }
 }
 
+/// Values Redis gave that were not served: each counted, and logged at
+/// most once per `REJECTION_LOG_EVERY` with how many went by unlogged.
+struct Rejections {
+    born: Instant,
+    /// Milliseconds since `born` before which no line is logged.
+    next_log_ms: AtomicU64,
+    unlogged: AtomicU64,
+}
+
+impl Rejections {
+    fn new() -> Rejections {
+        Rejections { born: Instant::now(), next_log_ms: AtomicU64::new(0), unlogged: AtomicU64::new(0) }
+    }
+
+    fn note(&self, name: &str, why: Rejected) {
+        metrics::counter!(telemetry::CACHE_REDIS_REJECTED, "reason" => why.reason()).increment(1);
+        self.unlogged.fetch_add(1, Ordering::Relaxed);
+        let now = self.born.elapsed().as_millis() as u64;
+        let next = self.next_log_ms.load(Ordering::Relaxed);
+        let every = REJECTION_LOG_EVERY.as_millis() as u64;
+        if now >= next
+            && self
+                .next_log_ms
+                .compare_exchange(next, now + every, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let count = self.unlogged.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                "cache: Redis value under {name} not served ({}: {}); the model ran instead. {count} value(s) \
+                 rejected since the last such line (at most one every {} s; all counted in \
+                 edgeinfer_cache_redis_rejected_total)",
+                why.reason(),
+                why.describe(),
+                REJECTION_LOG_EVERY.as_secs()
+            );
+        }
+    }
+}
+
 /// The connection, renewed whole when the layer starts a rest: the
 /// connection manager reconnects by itself only after an I/O error, not
 /// after a refused AUTH (a password fixed later) or a hung socket.
@@ -219,6 +275,8 @@ struct Store {
 
 pub struct Redis {
     link: Arc<Link>,
+    site_key: SiteKey,
+    rejections: Rejections,
     prefix: String,
     ttl: Option<Duration>,
     timeout: Duration,
@@ -230,6 +288,7 @@ impl Redis {
     /// Connects lazily: a Redis down at start is a layer that is down, not
     /// a node that cannot start. Needs a tokio runtime.
     pub fn open(options: RedisOptions) -> Result<Redis, RedisError> {
+        let site_key = read_site_key(options.key_file.as_deref())?;
         let url_error =
             |e: redis::RedisError| RedisError::Url { url: options.url.clone(), reason: e.to_string() };
         let info =
@@ -289,6 +348,8 @@ impl Redis {
         tokio::spawn(write(link.clone(), health.clone(), queued));
         let redis = Redis {
             link,
+            site_key,
+            rejections: Rejections::new(),
             prefix: options.key_prefix,
             ttl: options.ttl,
             timeout: options.timeout,
@@ -313,15 +374,19 @@ impl Redis {
         format!("{}:{FORMAT}:{model}:{}", self.prefix, key.hex())
     }
 
-    /// The record under `key`, if Redis answers in time with one whose
-    /// checksum holds.
-    pub async fn get(&self, model: &str, key: &Key) -> Option<Record> {
+    /// The answer under `key`, if Redis answers in time with a value
+    /// signed with the site key for this very key.
+    pub async fn get(&self, model: &str, key: &Key) -> Option<SharedAnswer> {
         if !self.health.may_look_up() {
             return None;
         }
         let mut connection = self.link.connection();
         let name = self.key(model, key);
-        let got = tokio::time::timeout(self.timeout, connection.get::<_, Option<Vec<u8>>>(&name)).await;
+        // GETRANGE, not GET: Redis sends at most one byte more than the
+        // cap, so refusing a planted giant value costs what a hit costs.
+        let mut read = redis::cmd("GETRANGE");
+        read.arg(&name).arg(0).arg(MAX_VALUE_BYTES);
+        let got = tokio::time::timeout(self.timeout, read.query_async::<Vec<u8>>(&mut connection)).await;
         let failed = |reason, error| {
             if self.health.lookup_failed(reason, error) {
                 self.link.renew();
@@ -330,12 +395,20 @@ impl Redis {
         match got {
             Ok(Ok(value)) => {
                 self.health.answered();
-                let bytes = value?;
-                let record = Record::decode(key, &bytes);
-                if record.is_none() {
-                    metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => "corrupt").increment(1);
+                // No key reads as an empty string: a plain miss.
+                if value.is_empty() {
+                    return None;
                 }
-                record
+                signed::open(&self.site_key, &name, &value)
+                    .map_err(|why| self.rejections.note(&name, why))
+                    .ok()
+            }
+            // Something else under our key (a list, a hash): Redis answered,
+            // so the layer is up; the value is simply not ours.
+            Ok(Err(e)) if e.code() == Some("WRONGTYPE") => {
+                self.health.answered();
+                self.rejections.note(&name, Rejected::Unsigned);
+                None
             }
             Ok(Err(e)) => {
                 failed("error", e.to_string());
@@ -355,9 +428,14 @@ impl Redis {
             None => expires_at_ms.saturating_sub(stored_at_ms).div_ceil(1000),
         }
         .max(1);
-        let record = Record::seal(key, 0, stored_at_ms, expires_at_ms, body.to_vec());
-        let value = postcard::to_stdvec(&record).expect("a record always encodes");
-        let store = Store { key: self.key(model, key), value, ttl_s };
+        let name = self.key(model, key);
+        let answer = SharedAnswer { stored_at_ms, expires_at_ms, body: body.to_vec() };
+        let Some(value) = signed::seal(&self.site_key, &name, &answer) else {
+            // No node would read it: the answer stays on this node.
+            metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => "oversized").increment(1);
+            return;
+        };
+        let store = Store { key: name, value, ttl_s };
         if self.stores.try_send(store).is_err() {
             metrics::counter!(telemetry::CACHE_REDIS_ERRORS, "reason" => "busy").increment(1);
         }
@@ -394,6 +472,18 @@ impl Redis {
     pub fn health(&self) -> RedisState {
         self.health.state()
     }
+}
+
+/// The site key in `path`, hex (see `SiteKey::from_hex`). The reasons
+/// never quote the file's contents.
+fn read_site_key(path: Option<&std::path::Path>) -> Result<SiteKey, RedisError> {
+    let path = path.ok_or(RedisError::NoKey)?;
+    let bad = |reason: String| RedisError::Key { path: path.display().to_string(), reason };
+    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    // Raw random bytes (`head -c 32 /dev/urandom` without `xxd -p`) are
+    // rarely UTF-8: name the layout wanted, not the encoding.
+    let text = String::from_utf8(bytes).map_err(|_| bad(signed::BadKey::NotHex.to_string()))?;
+    SiteKey::from_hex(&text).map_err(|e| bad(e.to_string()))
 }
 
 /// The writer task: each queued answer with its expiry, while Redis takes

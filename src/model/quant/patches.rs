@@ -4,9 +4,49 @@
 //! (the AVX2 and NEON integer kernels), which skips both a materialised
 //! patch matrix and a second packing pass.
 
-use super::conv::Geometry;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::tract_linalg::pack::PackedFormat;
+
+/// Shape of a convolution over one `[channels, height, width]` image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub kernel: [usize; 2],
+    pub strides: [usize; 2],
+    pub dilations: [usize; 2],
+    /// top, left, bottom, right (ONNX order: begins then ends).
+    pub pads: [usize; 4],
+}
+
+impl Geometry {
+    pub fn output_hw(&self) -> TractResult<[usize; 2]> {
+        let dim = |size: usize, k: usize, s: usize, d: usize, p0: usize, p1: usize| {
+            let span = d * (k - 1) + 1;
+            let padded = size + p0 + p1;
+            anyhow::ensure!(
+                k > 0 && s > 0 && d > 0 && padded >= span,
+                "convolution window larger than its input"
+            );
+            Ok((padded - span) / s + 1)
+        };
+        Ok([
+            dim(self.height, self.kernel[0], self.strides[0], self.dilations[0], self.pads[0], self.pads[2])?,
+            dim(self.width, self.kernel[1], self.strides[1], self.dilations[1], self.pads[1], self.pads[3])?,
+        ])
+    }
+
+    /// Rows of the patch matrix: one per input channel and kernel tap.
+    pub fn patch_len(&self) -> usize {
+        self.in_channels * self.kernel[0] * self.kernel[1]
+    }
+
+    pub fn is_pointwise(&self) -> bool {
+        self.kernel == [1, 1] && self.strides == [1, 1] && self.pads == [0; 4]
+    }
+}
 
 /// The patch matrix of one image: row `(c * kh + ky) * kw + kx`, column
 /// `oy * ow + ox`, holding the input at that tap or the zero point in the

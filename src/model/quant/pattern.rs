@@ -7,8 +7,9 @@
 //! then finds the same tensors in tract's typed model by those names.
 
 use super::add::QAdd;
-use super::conv::{ConvSpec, Geometry};
+use super::conv::ConvSpec;
 use super::dense::{DenseSpec, FloatTail};
+use super::patches::Geometry;
 use super::pool::{QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, round_half_even};
 use std::collections::HashMap;

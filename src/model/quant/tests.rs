@@ -4,9 +4,10 @@
 //! dilations, zero points and per-channel scales.
 
 use super::add::QAdd;
-use super::conv::{ConvSpec, Geometry, QConv};
+use super::conv::{ConvSpec, QConv};
 use super::dense::{DenseSpec, QDense};
 use super::depthwise::QDepthwise;
+use super::patches::Geometry;
 use super::pool::{QAvgPool, QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, output_range};
 use proptest::prelude::*;

@@ -1,7 +1,10 @@
 //! Who may call what over HTTP: bearer tokens read from files, one for
 //! inference and metadata (`http.token_file`) and one for administration
 //! (`http.admin_token_file`). Health is always open; `/metrics` is open
-//! unless `http.protect_metrics`.
+//! unless `http.protect_metrics`. Without an admin token, status and cache
+//! administration is answered to a loopback peer, but rollout commands are
+//! refused: `ssh -L`, socat and a reverse proxy on the host are loopback
+//! peers too, and a rollout command changes what every device is answered.
 
 use crate::config::HttpConfig;
 use axum::extract::{ConnectInfo, Request, State};
@@ -59,7 +62,10 @@ pub struct Access {
 enum Class {
     Open,
     Infer,
+    /// Status and cache: the admin token, or without one a loopback peer.
     Admin,
+    /// What changes which version serves: the admin token, always.
+    Deploy,
 }
 
 impl Access {
@@ -82,8 +88,11 @@ impl Access {
                 // Protected with only the admin token configured.
                 (true, None) => Class::Admin,
             }
-        } else if path.starts_with("/cache/") || path.starts_with("/models/") {
+        } else if path.starts_with("/cache/") || path == "/models/status" {
             Class::Admin
+        } else if path.starts_with("/models/") {
+            // promote, rollback, rollout, and any command added later.
+            Class::Deploy
         } else {
             Class::Infer
         }
@@ -108,6 +117,13 @@ impl Access {
                 // `::ffff:127.0.0.1` too, when listening on `[::]`.
                 None if peer.ip().to_canonical().is_loopback() && !proxied(headers) => None,
                 None => Some(forbidden(peer)),
+            },
+            Class::Deploy => match &self.admin {
+                Some(_) if admin_ok => None,
+                Some(_) => {
+                    Some(unauthorized("send Authorization: Bearer with the token in http.admin_token_file"))
+                }
+                None => Some(no_admin_token()),
             },
         }
     }
@@ -145,11 +161,23 @@ fn unauthorized(fix: &str) -> Response {
 
 fn forbidden(peer: SocketAddr) -> Response {
     let body = serde_json::json!({"error": format!(
-        "{peer}: without http.admin_token_file, administration (cache, models) is answered only to a loopback peer \
-         that did not come through a proxy; run edgeinfer cache or models on the node itself, or set http.admin_token_file"
+        "{peer}: without http.admin_token_file, administration (cache, models status) is answered only to a loopback \
+         peer that did not come through a proxy; run edgeinfer cache or models on the node itself, or set \
+         http.admin_token_file"
     )});
     (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
 }
+
+fn no_admin_token() -> Response {
+    let body = serde_json::json!({"error": NO_ADMIN_TOKEN});
+    (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
+}
+
+/// Why rollout commands are refused without an admin token, and the fix.
+const NO_ADMIN_TOKEN: &str = "rollout commands over HTTP (models promote, rollback, rollout) need the token in \
+     http.admin_token_file, and none is set: a loopback peer may be anyone reaching this host through ssh -L, \
+     socat or a proxy. Set http.admin_token_file (edgeinfer models sends the token from its --config); with no \
+     node running, edgeinfer models changes the state file in node.state_dir itself";
 
 #[cfg(test)]
 mod tests {
@@ -175,8 +203,8 @@ mod tests {
         assert_eq!(status(&open, "/cache/purge", &[], local), 200);
         assert_eq!(status(&open, "/cache/purge", &[], remote), 403);
         assert_eq!(status(&open, "/cache/purge", &[("x-forwarded-for", "10.0.0.9")], local), 403);
-        assert_eq!(status(&open, "/models/rollback", &[], local), 200);
-        assert_eq!(status(&open, "/models/rollback", &[], remote), 403, "rollout is administration");
+        assert_eq!(status(&open, "/models/status", &[], local), 200);
+        assert_eq!(status(&open, "/models/status", &[], remote), 403);
 
         let closed =
             Access { infer: Some(Token::of("inf")), admin: Some(Token::of("adm")), protect_metrics: true };
@@ -191,6 +219,7 @@ mod tests {
         assert_eq!(status(&closed, "/cache/stats", &[("authorization", "Bearer adm")], remote), 200);
         assert_eq!(status(&closed, "/models/promote", &[("authorization", "Bearer inf")], local), 401);
         assert_eq!(status(&closed, "/models/promote", &[("authorization", "Bearer adm")], remote), 200);
+        assert_eq!(status(&closed, "/models/status", &[], local), 401, "a token set is needed by all");
         assert_eq!(status(&closed, "/metrics", &[], local), 401);
         let admin_only = Access { infer: None, admin: Some(Token::of("adm")), protect_metrics: true };
         assert_eq!(status(&admin_only, "/metrics", &[], local), 401, "protected by the admin token");
@@ -198,5 +227,19 @@ mod tests {
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:5000".parse().unwrap();
         assert_eq!(status(&open, "/cache/stats", &[], mapped), 200, "loopback over an IPv6 listener");
         assert_eq!(status(&closed, "/v2/health/ready", &[], remote), 200);
+    }
+
+    #[test]
+    fn without_an_admin_token_rollout_commands_are_refused_even_to_loopback() {
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let open = Access { infer: None, admin: None, protect_metrics: false };
+        for path in ["/models/promote", "/models/rollback", "/models/rollout", "/models/anything"] {
+            let refused = open.check(path, &headers(&[]), local).map(|r| r.status().as_u16());
+            assert_eq!(refused, Some(403), "{path}");
+        }
+        let closed = Access { infer: None, admin: Some(Token::of("adm")), protect_metrics: false };
+        let with = |h: &[(&str, &str)]| closed.check("/models/rollout", &headers(h), local);
+        assert!(with(&[("authorization", "Bearer adm")]).is_none());
+        assert_eq!(with(&[]).map(|r| r.status().as_u16()), Some(401));
     }
 }

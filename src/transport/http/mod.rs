@@ -13,12 +13,13 @@ use crate::protocol::{Encoding, ErrorReply, InferError};
 use crate::rollout::{Asker, RolloutError};
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use tokio::sync::watch;
 
@@ -140,6 +141,11 @@ async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuer
     let model = q.model.unwrap_or_default();
     let overrides = (q.steps.as_deref(), q.gates.as_deref());
     let plan = state.engine.rollout_plan(q.version.as_deref(), q.mode.as_deref(), &model, overrides);
+    if let Ok(plan) = &plan
+        && let Err(e) = state.engine.load_new_version(&model, &plan.version).await
+    {
+        return rollout_error(&e);
+    }
     let available = state.engine.registry().available();
     let by = Asker::named("models rollout (http)");
     match plan {
@@ -240,25 +246,51 @@ async fn model_ready(State(state): State<AppState>, Path(model): Path<String>) -
 async fn infer(
     State(state): State<AppState>,
     Path(model): Path<String>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(&state, &model, None, &headers, body).await
+    handle(&state, &model, None, peer, &headers, body).await
 }
 
 async fn infer_version(
     State(state): State<AppState>,
     Path((model, version)): Path<(String, String)>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(&state, &model, Some(&version), &headers, body).await
+    handle(&state, &model, Some(&version), peer, &headers, body).await
+}
+
+/// The header a device names itself with, for a rollout's split.
+const DEVICE_HEADER: &str = "x-device-id";
+/// The longest `X-Device-Id` taken: a device's name, not a payload.
+const DEVICE_ID_MAX_BYTES: usize = 128;
+
+/// The device a request comes from: its `X-Device-Id`, else the peer's IP
+/// address (not the port: a device that reconnects keeps its place in a
+/// rollout). A header that cannot name a device (empty, too long, not
+/// visible ASCII) is refused rather than ignored, so a device that means to
+/// name itself is not quietly split by its address instead.
+fn device_of(headers: &HeaderMap, peer: IpAddr) -> Result<String, InferError> {
+    // `::ffff:10.0.0.9` and `10.0.0.9` are one device.
+    let Some(value) = headers.get(DEVICE_HEADER) else { return Ok(peer.to_canonical().to_string()) };
+    let named = value.to_str().ok().map(str::trim).filter(|v| !v.is_empty());
+    match named {
+        Some(device) if device.len() <= DEVICE_ID_MAX_BYTES => Ok(device.to_string()),
+        _ => Err(InferError::invalid_payload(format!(
+            "X-Device-Id must be 1 to {DEVICE_ID_MAX_BYTES} bytes of visible ASCII; \
+             send the device's name, or leave the header out to be known by your address"
+        ))),
+    }
 }
 
 async fn handle(
     state: &AppState,
     model: &str,
     version: Option<&str>,
+    peer: SocketAddr,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
@@ -266,6 +298,13 @@ async fn handle(
     let encoding = Encoding::from_content_type(content_type);
     let limit = state.engine.max_payload_bytes();
     let envelope = Envelope { version, transport: "http", ..Envelope::model(model) };
+    let device = match device_of(headers, peer.ip()) {
+        Ok(device) => device,
+        Err(e) => {
+            return reply_response(state.engine.reject(envelope, String::new(), encoding, e), None, encoding);
+        }
+    };
+    let envelope = Envelope { device: Some(&device), ..envelope };
     let mut status = None;
     let reply = match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(bytes)) => state.engine.handle(envelope, &bytes, encoding).await,
@@ -290,6 +329,12 @@ async fn handle(
             )
         }
     };
+    reply_response(reply, status, encoding)
+}
+
+/// The engine's reply with the status its outcome calls for, unless the
+/// transport already chose one.
+fn reply_response(reply: crate::engine::Reply, status: Option<StatusCode>, encoding: Encoding) -> Response {
     let status = status.unwrap_or(match reply.outcome {
         Ok(()) => StatusCode::OK,
         Err(code) => StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),

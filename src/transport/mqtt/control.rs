@@ -1,43 +1,43 @@
 //! `PREFIX/NODE/control` (`control.enabled`, off by default): the rollout
 //! commands for fleet managers without HTTP, request/response like
-//! inference. A command is JSON: `id`, `token` (the one in
-//! `control.token_file`), `command` (`status`, `promote`, `rollback`,
-//! `rollout`), `model`, for promote and rollout `version`, and for rollout
-//! optionally `mode`, `steps` and `gates` as `models rollout` takes them;
-//! its reply (to the MQTT 5 Response
-//! Topic or the payload's `reply_to`) is `{"id", "result"}` or
+//! inference. A command is JSON: `id`, `command` (`status`, `promote`,
+//! `rollback`, `rollout`), `model`, for promote and rollout `version`, for
+//! rollout optionally `mode`, `steps` and `gates` as `models rollout` takes
+//! them, `issued_at_s` and `signature` (`signed.rs`: HMAC-SHA256 with the
+//! key in `control.key_file`; no secret travels). Its reply (to the MQTT 5
+//! Response Topic or the payload's `reply_to`) is `{"id", "result"}` or
 //! `{"id", "error": {"code", "message"}}`.
 
 use super::outbox::Reply;
+use super::replay::{Answer, ReplayWindow};
+use super::signed::{ControlCommand, ControlKey, Refusal};
 use super::topics::Topics;
 use crate::engine::Engine;
 use crate::rollout::Asker;
-use crate::transport::http::Token;
+use crate::telemetry::unix_now;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 use std::sync::Arc;
 
-#[derive(Deserialize)]
-struct Command {
-    #[serde(default)]
-    id: String,
-    #[serde(default)]
-    token: String,
-    command: String,
-    model: Option<String>,
-    version: Option<String>,
-    mode: Option<String>,
-    steps: Option<String>,
-    gates: Option<String>,
-    reply_to: Option<String>,
+/// What a node checks a command against: the key it must be signed with
+/// and the commands it answered within `control.max_skew_s`.
+#[derive(Clone)]
+pub struct ControlAuth {
+    pub key: ControlKey,
+    pub window: Arc<ReplayWindow>,
+}
+
+impl ControlAuth {
+    pub fn new(key: ControlKey, max_skew_s: u64) -> ControlAuth {
+        ControlAuth { key, window: Arc::new(ReplayWindow::new(max_skew_s)) }
+    }
 }
 
 pub struct ControlTask {
     pub engine: Arc<Engine>,
     pub topics: Topics,
-    pub token: Token,
+    pub auth: ControlAuth,
 }
 
 impl ControlTask {
@@ -46,7 +46,7 @@ impl ControlTask {
     /// `admitted`: false when the node is at its in-flight bound.
     pub async fn handle(self, publish: &Publish, admitted: bool) -> Option<Reply> {
         let props = publish.properties.clone().unwrap_or_default();
-        let parsed = serde_json::from_slice::<Command>(&publish.payload);
+        let parsed = serde_json::from_slice::<ControlCommand>(&publish.payload);
         let reply_to = parsed.as_ref().ok().and_then(|c| c.reply_to.clone());
         let destination = props.response_topic.clone().or(reply_to)?;
         self.topics.check_reply(&destination).ok()?;
@@ -55,7 +55,10 @@ impl ControlTask {
                 String::new(),
                 Err((
                     "invalid_payload",
-                    format!("a control command is JSON with id, token, command, model, version: {e}"),
+                    format!(
+                        "a control command is JSON with id, command, model, version, mode, steps, gates, \
+                         reply_to, issued_at_s and signature: {e}"
+                    ),
                 )),
             ),
             Ok(command) if !admitted => {
@@ -63,7 +66,7 @@ impl ControlTask {
             }
             Ok(command) => {
                 let id = command.id.clone();
-                (id, self.run(command).await)
+                (id, self.checked(command).await)
             }
         };
         let body = match answer {
@@ -82,13 +85,52 @@ impl ControlTask {
         Some(Reply { publish, id })
     }
 
-    async fn run(&self, command: Command) -> Result<Value, (&'static str, String)> {
-        if Token::of(&command.token) != self.token {
+    /// Runs a command signed with the node's key for its topic, within the
+    /// window; the same signed command again gets its first answer.
+    async fn checked(&self, command: ControlCommand) -> Answer {
+        let now_s = unix_now();
+        let window = &self.auth.window;
+        command.verify(&self.auth.key, &self.topics.control(), now_s, window.max_skew_s()).map_err(
+            |refusal| match refusal {
+                Refusal::Malformed(message) => ("invalid_payload", message),
+                Refusal::Unauthorized(message) => ("unauthorized", message),
+            },
+        )?;
+        let command = command.normalized();
+        // Read-only: answered afresh each time.
+        if command.command == "status" {
+            return self.run(command).await;
+        }
+        let changes = matches!(command.command.as_str(), "promote" | "rollback" | "rollout");
+        if changes && command.id.is_empty() {
             return Err((
-                "unauthorized",
-                "missing or wrong token: send the one in control.token_file".into(),
+                "invalid_payload",
+                format!("{} needs an id: the node applies a command once per id", command.command),
             ));
         }
+        let signature = command.signature.clone();
+        match window.admit(&signature, command.issued_at_s, now_s) {
+            Ok(Some(answer)) => {
+                tracing::info!(id = %command.id, "control command seen before: answered as then");
+                answer
+            }
+            Ok(None) => {
+                let answer = self.run(command).await;
+                window.settle(&signature, &answer);
+                answer
+            }
+            Err(_) => Err((
+                "overloaded",
+                format!(
+                    "more than {} control commands within control.max_skew_s ({} s); retry later",
+                    super::replay::MAX_REMEMBERED,
+                    window.max_skew_s()
+                ),
+            )),
+        }
+    }
+
+    async fn run(&self, command: ControlCommand) -> Answer {
         let Some(rollout) = self.engine.rollout() else {
             return Err(("internal", "this process keeps no deployment state".into()));
         };
@@ -99,6 +141,7 @@ impl ControlTask {
         let by = Asker {
             by: "control topic".into(),
             command_id: (!command.id.is_empty()).then(|| format!("control:{}", command.id)),
+            asked: None,
         };
         let model =
             || command.model.clone().ok_or(("invalid_payload", format!("{} needs model", command.command)));
@@ -117,7 +160,14 @@ impl ControlTask {
                     &model,
                     overrides,
                 ) {
-                    Ok(plan) => rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d)),
+                    Ok(plan) => match self.engine.load_new_version(&model, &plan.version).await {
+                        // A version dropped in since the last load is there now.
+                        Ok(()) => {
+                            let available = self.engine.registry().available();
+                            rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d))
+                        }
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 }
             }

@@ -5,12 +5,20 @@
 //! dies mid-request leaves the request with the broker for redelivery.
 
 mod acks;
+mod ask;
 mod control;
 mod options;
 mod outbox;
+mod replay;
+mod signed;
+mod site;
 mod topics;
 
+pub use ask::{AskError, ControlAsk, ask};
+pub use control::ControlAuth;
 pub use options::{BrokerAddress, OptionsError, client_options, credentials};
+pub use signed::{ControlCommand, ControlKey, KeyError, MIN_KEY_BYTES, SCHEME};
+pub use site::SiteLink;
 pub use topics::{ReplyRefusal, Topics, valid_reply_topic};
 
 use crate::engine::{Engine, Envelope};
@@ -18,7 +26,6 @@ use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, first_reply};
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
-use crate::transport::http::Token;
 use acks::{AckSlot, Acks, Finished, Seen};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::Outgoing;
@@ -51,8 +58,9 @@ pub struct MqttService {
     follow_ups: Option<tokio::sync::mpsc::Receiver<FollowUp>>,
     /// Rollout decisions, each published once on the events topic.
     events: Option<tokio::sync::mpsc::Receiver<Decision>>,
-    /// With `control.enabled`: the token commands on the control topic carry.
-    control: Option<Token>,
+    /// With `control.enabled`: the key commands on the control topic are
+    /// signed with, and the ones already answered.
+    control: Option<ControlAuth>,
 }
 
 impl MqttService {
@@ -113,9 +121,9 @@ impl MqttService {
         self
     }
 
-    /// Takes rollout commands on `PREFIX/NODE/control` that carry `token`.
-    pub fn with_control(mut self, token: Token) -> MqttService {
-        self.control = Some(token);
+    /// Takes rollout commands on `PREFIX/NODE/control` signed as `auth` checks.
+    pub fn with_control(mut self, auth: ControlAuth) -> MqttService {
+        self.control = Some(auth);
         self
     }
 
@@ -250,7 +258,7 @@ impl MqttService {
                         let slot = acks.arrived(&publish);
                         // Control off: a subscription left from an earlier
                         // run may still bring one; it gets nothing.
-                        let Some(token) = self.control.clone() else {
+                        let Some(auth) = self.control.clone() else {
                             slot.send(None);
                             continue;
                         };
@@ -259,7 +267,7 @@ impl MqttService {
                         let task = control::ControlTask {
                             engine: self.engine.clone(),
                             topics: self.topics.clone(),
-                            token,
+                            auth,
                         };
                         tasks.spawn(async move {
                             slot.send(task.handle(&publish, admitted.is_ok()).await);
@@ -554,7 +562,9 @@ impl RequestTask {
             ack.send(None);
             return;
         };
-        let envelope = Envelope { transport: "mqtt", ..Envelope::model(model.unwrap_or("")) };
+        // A device is its reply topic: each has its own, and keeps it.
+        let device = Some(destination.as_str());
+        let envelope = Envelope { transport: "mqtt", device, ..Envelope::model(model.unwrap_or("")) };
         let mut first_reply_pending = None;
         let reply = match (decoded, refusal) {
             (Ok(decoded), _) => {

@@ -2,8 +2,8 @@
 //! byte bounds, crashes, a damaged store and single flight.
 
 use super::support::{
-    Client, Node, copy_digits_version, embedded_node_with_http, free_port_pair, get_json, infer_digits,
-    sample, scrape,
+    Client, Node, copy_digits_version, copy_test_version, embedded_node_with_http, free_port_pair, get_json,
+    infer_digits, sample, scrape,
 };
 use crate::{digits_request, heldout};
 use serde_json::{Value, json};
@@ -470,4 +470,43 @@ fn a_slow_disk_costs_a_miss_and_never_delays_a_request() {
     assert_eq!(lookups("0.02"), total, "lookups over 20 ms");
     let skipped = sample(&metrics, &["edgeinfer_cache_disk_reads_skipped_total{", "reason=\"slow\""]);
     assert!(skipped >= n as f64, "{skipped} reads given up on");
+}
+
+/// Issue 35, finding 8, on the node's own layers: version "1" replaced in
+/// place with other contents is not answered from what the old contents
+/// left in memory (after a reload) or on disk (after a restart).
+#[test]
+fn finding_8_a_version_replaced_in_place_is_not_answered_from_its_old_contents_cache() {
+    let (models, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    copy_digits_version(models.path(), "1", false);
+    let env = [state_env(state.path()), ("EDGEINFER_NODE__MODELS_DIR", models.path().display().to_string())];
+    let (mut node, _, port) = start("gw-c8", &env);
+    let req = request("a", 2, 0, json!({}));
+    let stock = infer_digits(port, &req);
+    assert_eq!(cache_of(&stock), "miss");
+    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
+    // Another model file (trained on labels shifted by one) under "1".
+    copy_test_version(models.path(), "digits-wrong-labels", "1");
+    node.signal("HUP");
+    node.wait_for_line("reloaded: serving", Duration::from_secs(30));
+    let replaced = infer_digits(port, &req);
+    assert_eq!((cache_of(&replaced), replaced["model_version"].as_str()), ("miss", Some("1")), "{replaced}");
+    assert_ne!(replaced["parameters"]["label"], stock["parameters"]["label"], "the new model's answer");
+    assert!(node.terminate().success());
+    // The shipped file again, its labels renamed (the manifest alone), and
+    // a restart on the same store.
+    copy_digits_version(models.path(), "1", false);
+    let manifest = models.path().join("digits/1/model.toml");
+    let names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let renamed = text.replace(
+        r#"["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]"#,
+        &format!("[{}]", names.map(|n| format!("{n:?}")).join(", ")),
+    );
+    std::fs::write(&manifest, renamed).unwrap();
+    let (_again, _, port) = start("gw-c8", &env);
+    let relabelled = infer_digits(port, &req);
+    assert_eq!(cache_of(&relabelled), "miss", "{relabelled}");
+    let digit: usize = stock["parameters"]["label"].as_str().unwrap().parse().unwrap();
+    assert_eq!(relabelled["parameters"]["label"], names[digit], "its own labels");
 }

@@ -4,8 +4,8 @@
 
 use super::rollout::models_command;
 use super::support::{
-    Client, Mosquitto, Node, copy_digits_version, copy_test_version, get_json, http, node_with_http, sample,
-    scrape,
+    Client, Mosquitto, Node, admin_get_json, admin_http, admin_token_env, copy_digits_version,
+    copy_test_version, get_json, http_with, node_with_http, sample, scrape,
 };
 use crate::{digits_request, heldout};
 use serde_json::Value;
@@ -45,7 +45,11 @@ impl Site {
         state: &tempfile::TempDir,
     ) -> (Node, u16) {
         let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
-        let env = [("EDGEINFER_NODE__MODELS_DIR", m.as_str()), ("EDGEINFER_NODE__STATE_DIR", s.as_str())];
+        let env = [
+            ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
+            ("EDGEINFER_NODE__STATE_DIR", s.as_str()),
+            admin_token_env(),
+        ];
         node_with_http(&mosquitto.url(), id, &env)
     }
 
@@ -68,7 +72,7 @@ impl Site {
 
     async fn json(&self, path: &'static str) -> Value {
         let port = self.http;
-        tokio::task::spawn_blocking(move || get_json(port, path)).await.unwrap().1
+        tokio::task::spawn_blocking(move || admin_get_json(port, path)).await.unwrap().1
     }
 
     async fn metrics(&self) -> String {
@@ -363,11 +367,9 @@ async fn too_little_data_holds_a_step_kill_9_resumes_it_and_rollback_returns_eve
     let port = site.http;
     let asked = Instant::now();
     let answered = tokio::task::spawn(async move {
-        tokio::task::spawn_blocking(move || {
-            http(port, "POST", "/models/rollback?model=digits", b"", "text/plain")
-        })
-        .await
-        .unwrap()
+        tokio::task::spawn_blocking(move || admin_http(port, "POST", "/models/rollback?model=digits"))
+            .await
+            .unwrap()
     });
     let mut rolled_back = None;
     fleet
@@ -452,12 +454,18 @@ async fn with_auto_rollout_a_version_dropped_in_starts_a_canary_unless_it_fails_
         "{report}"
     );
     assert_eq!((report[0]["stable"].as_str(), candidate["step"].as_u64()), (Some("1"), Some(0)), "{report}");
-    // HTTP requests (no reply topic) are split by id: most stay on v1.
+    // HTTP devices (no reply topic) are split by the X-Device-Id they send:
+    // most stay on v1.
     let versions = tokio::task::spawn_blocking(move || {
         (0..40)
             .map(|i| {
-                let req = digits_request(&format!("auto-{i}"), &[heldout()[i].1.clone()]);
-                super::support::infer_digits(http_port, &req)["model_version"].as_str().unwrap().to_string()
+                let req = digits_request(&format!("auto-{i}"), &[heldout()[i].1.clone()]).to_string();
+                let headers = format!("Content-Type: application/json\r\nX-Device-Id: auto-{i}");
+                let path = "/v2/models/digits/infer";
+                let (code, body) = http_with(http_port, "POST", path, headers.as_bytes(), req.as_bytes());
+                let reply: Value = serde_json::from_slice(&body).unwrap();
+                assert_eq!(code, 200, "{reply}");
+                reply["model_version"].as_str().unwrap().to_string()
             })
             .collect::<Vec<String>>()
     })

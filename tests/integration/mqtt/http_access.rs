@@ -1,7 +1,9 @@
 //! The HTTP face as an attacker and a careful operator see it: tokens,
-//! administration behind loopback or a token, slow clients cut off, HTTPS.
+//! administration behind loopback or a token (rollout commands behind the
+//! token alone), slow clients cut off, HTTPS.
 
-use super::support::{embedded_node_with_http, http_with};
+use super::rollout::models_command;
+use super::support::{admin_http, admin_token_env, copy_digits_version, embedded_node_with_http, http_with};
 use crate::{digits_request, heldout};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -77,6 +79,61 @@ fn tokens_guard_inference_and_administration_and_a_proxy_does_not_make_a_peer_lo
     }
     assert_eq!(status(INFER, b"Content-Type: application/json"), 401, "the first node is unchanged");
     assert_eq!(http_with(open_port, "POST", INFER, b"Content-Type: application/json", &infer_body()).0, 200);
+}
+
+#[test]
+fn without_an_admin_token_rollout_routes_are_refused_even_to_loopback_and_the_start_log_says_so() {
+    let (models, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    copy_digits_version(models.path(), "1", false);
+    copy_digits_version(models.path(), "2", false);
+    let m = models.path().display().to_string();
+    let (node, _, port) = embedded_node_with_http("gw-h6", &[("EDGEINFER_NODE__MODELS_DIR", &m)]);
+    let warned = |node: &super::support::Node| {
+        node.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("no http.admin_token_file") && l.contains("refused"))
+    };
+    assert!(warned(&node), "the start log says rollout commands are refused without the token");
+    // A loopback peer may be ssh -L, socat or a proxy: it may read the status
+    // and the cache, but not change which version serves.
+    let rollout_routes = [
+        "/models/rollback?model=digits",
+        "/models/promote?model=digits&version=1",
+        "/models/rollout?model=digits&version=1",
+    ];
+    for path in rollout_routes {
+        let (code, body) = http_with(port, "POST", path, b"X-A: b", b"");
+        let body = String::from_utf8_lossy(&body);
+        assert_eq!(code, 403, "{path}: {body}");
+        assert!(body.contains("http.admin_token_file") && body.contains("no node running"), "{body}");
+    }
+    let (code, status) = http_with(port, "GET", "/models/status", b"X-A: b", b"");
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&status));
+    let status: serde_json::Value = serde_json::from_slice(&status).unwrap();
+    assert_eq!(status[0]["serving"], "2", "nothing changed: {status}");
+    assert_eq!(http_with(port, "GET", "/cache/stats", b"X-A: b", b"").0, 200);
+    // `edgeinfer models` against it is refused the same way, with the fix.
+    let url = format!("http://127.0.0.1:{port}");
+    let refused = models_command(models.path(), state.path(), &["rollback", "digits", "--url", &url]);
+    let refused = refused.unwrap_err();
+    assert!(refused.contains("403") && refused.contains("http.admin_token_file"), "{refused}");
+    drop(node);
+
+    // With the token: the right bearer changes the deployment, none or a wrong one is 401.
+    let (node, _, port) =
+        embedded_node_with_http("gw-h7", &[("EDGEINFER_NODE__MODELS_DIR", &m), admin_token_env()]);
+    assert!(!warned(&node), "a node with the token does not warn");
+    let rollback = "/models/rollback?model=digits";
+    assert_eq!(http_with(port, "POST", rollback, b"X-A: b", b"").0, 401, "no token");
+    assert_eq!(http_with(port, "POST", rollback, &bearer("guess"), b"").0, 401, "a wrong token");
+    let (code, decision) = admin_http(port, "POST", rollback);
+    let decision: serde_json::Value = serde_json::from_slice(&decision).unwrap();
+    assert_eq!((code, decision["action"].as_str()), (200, Some("rolled_back")), "{decision}");
+    let url = format!("http://127.0.0.1:{port}");
+    let promoted = models_command(models.path(), state.path(), &["promote", "digits", "2", "--url", &url]);
+    assert_eq!(promoted.unwrap()["version"], "2", "edgeinfer models sends the token from its config");
 }
 
 #[test]

@@ -4,16 +4,23 @@
 mod cache;
 mod canary;
 mod cascade;
+mod control;
 mod embedded;
 #[cfg(feature = "failpoints")]
 mod faults;
 mod http_access;
+mod http_split;
 mod lifecycle;
 mod mosquitto;
 mod observability;
 mod redis;
 mod rollout;
+#[cfg(feature = "failpoints")]
+mod rollout_faults;
+mod site_rollout;
 pub mod support;
+#[cfg(feature = "failpoints")]
+mod watchdog;
 
 use crate::{digits_request, heldout};
 

@@ -2,7 +2,8 @@
 //! `redis-server` each test starts on a free port.
 
 use super::support::{
-    self, Client, Mosquitto, Node, embedded_node_with_http, get_json, infer_digits, sample, scrape,
+    self, Client, Mosquitto, Node, copy_digits_version, copy_test_version, embedded_node_with_http, get_json,
+    infer_digits, sample, scrape,
 };
 use crate::{digits_request, heldout};
 use serde_json::{Value, json};
@@ -92,6 +93,27 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
+    /// A plain (no TLS, no password) connection of the tests' own, binary
+    /// safe where redis-cli's arguments are not.
+    fn connection(&self) -> redis::Connection {
+        redis::Client::open(self.url()).unwrap().get_connection().unwrap()
+    }
+
+    fn get(&self, key: &str) -> Vec<u8> {
+        redis::cmd("GET").arg(key).query(&mut self.connection()).unwrap()
+    }
+
+    fn set(&self, key: &str, value: &[u8]) {
+        redis::cmd("SET").arg(key).arg(value).query::<()>(&mut self.connection()).unwrap();
+    }
+
+    /// Bytes Redis has sent its clients so far.
+    fn bytes_sent(&self) -> u64 {
+        let stats = self.cli(&["INFO", "stats"]);
+        let line = stats.lines().find(|l| l.starts_with("total_net_output_bytes:")).unwrap();
+        line.trim_end().rsplit(':').next().unwrap().parse().unwrap()
+    }
+
     /// The keys under `pattern`, waiting up to 5 s for at least `n`.
     fn keys(&self, pattern: &str, n: usize) -> Vec<String> {
         let start = Instant::now();
@@ -125,6 +147,23 @@ fn cache_of(reply: &Value) -> &str {
     reply["parameters"]["cache"].as_str().unwrap_or_else(|| panic!("no parameters.cache in {reply}"))
 }
 
+/// The site key the tests' nodes share (`cache.redis.key_file`).
+const SITE_KEY: &str = "6c0e6d6f2b1a9e3d5f7c8b4a2e1d0c9b8a7f6e5d4c3b2a19087f6e5d4c3b2a19";
+
+/// A file holding `SITE_KEY` as `xxd -p` writes it; one per test process.
+fn site_key_file() -> &'static str {
+    static FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("edgeinfer-test-redis-{}.key", std::process::id()));
+        std::fs::write(&path, format!("{}\n{}\n", &SITE_KEY[..60], &SITE_KEY[60..])).unwrap();
+        path.display().to_string()
+    })
+}
+
+fn key_env() -> (&'static str, &'static str) {
+    ("EDGEINFER_CACHE__REDIS__KEY_FILE", site_key_file())
+}
+
 fn node(id: &str, url: &str, extra: &[(&str, &str)]) -> (Node, u16) {
     // A generous timeout: on a busy 2-core CI machine a lookup can take
     // more than the 5 ms default, and these tests count hits.
@@ -132,6 +171,7 @@ fn node(id: &str, url: &str, extra: &[(&str, &str)]) -> (Node, u16) {
         ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
         ("EDGEINFER_CACHE__REDIS__URL", url),
         ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "1000"),
+        key_env(),
     ];
     env.extend_from_slice(extra);
     let (node, _, port) = embedded_node_with_http(id, &env);
@@ -145,7 +185,7 @@ fn nodes_share_answers_through_redis_every_key_expires_and_a_bad_value_is_a_miss
     let (_b, b) = node("gw-r2", &redis.url(), &[]);
     let first = infer_digits(a, &request("a1", 3));
     assert_eq!(cache_of(&first), "miss");
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 1).len(), 1, "stored off the request path, soon");
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 1).len(), 1, "stored off the request path, soon");
     assert_eq!(cache_of(&infer_digits(a, &request("a1b", 3))), "memory", "the node that computed it");
     // A node that never saw the request: the answer from the shared tier.
     let shared = infer_digits(b, &request("b1", 3));
@@ -163,34 +203,38 @@ fn nodes_share_answers_through_redis_every_key_expires_and_a_bad_value_is_a_miss
     for i in 4..8 {
         infer_digits(a, &request(&format!("a{i}"), i));
     }
-    let keys = redis.keys("edgeinfer:v1:digits:*", 5);
+    let keys = redis.keys("edgeinfer:v2:digits:*", 5);
     assert_eq!(keys.len(), 5);
     for key in &keys {
         let ttl: i64 = redis.cli(&["TTL", key]).parse().unwrap();
         assert!(ttl > 86_000 && ttl <= 86_400, "{key}: TTL {ttl}");
     }
 
-    // A value that fails its checksum is a miss, counted, never served.
+    // A value that is not a signed answer is a miss, counted, never served.
     let before: Vec<String> = keys.clone();
     infer_digits(a, &request("a9", 9));
-    let nine = redis.keys("edgeinfer:v1:digits:*", 6).into_iter().find(|k| !before.contains(k)).unwrap();
+    let nine = redis.keys("edgeinfer:v2:digits:*", 6).into_iter().find(|k| !before.contains(k)).unwrap();
     redis.cli(&["SET", &nine, "not a record", "EX", "60"]);
     let reply = infer_digits(b, &request("b9", 9));
     assert_eq!(cache_of(&reply), "miss", "{reply}");
     assert_eq!(reply["outputs"], infer_digits(a, &request("a9b", 9))["outputs"]);
     let metrics = scrape(b);
-    assert_eq!(sample(&metrics, &["edgeinfer_cache_redis_errors_total{", "reason=\"corrupt\""]), 1.0);
+    assert_eq!(sample(&metrics, &["edgeinfer_cache_redis_rejected_total{", "reason=\"unsigned\""]), 1.0);
 
     // Purging a model reaches this node's keys in the shared tier.
     let purged = crate::cli::edgeinfer(
         &["cache", "purge", "-m", "digits", "--url", &format!("http://127.0.0.1:{a}")],
         None,
-        &[("EDGEINFER_CACHE__REDIS__ENABLED", "true"), ("EDGEINFER_CACHE__REDIS__URL", &redis.url())],
+        &[
+            ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
+            ("EDGEINFER_CACHE__REDIS__URL", &redis.url()),
+            key_env(),
+        ],
     );
     let text = String::from_utf8_lossy(&purged.stdout);
     assert!(purged.status.success(), "{text}{}", String::from_utf8_lossy(&purged.stderr));
     assert!(text.contains("entries removed from disk and Redis"), "{text}");
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 0).len(), 0, "{text}");
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 0).len(), 0, "{text}");
 }
 
 #[test]
@@ -201,6 +245,7 @@ fn redis_down_at_start_costs_misses_and_is_used_once_it_is_up() {
         ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
         ("EDGEINFER_CACHE__REDIS__URL", url.as_str()),
         ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "50"),
+        key_env(),
     ];
     let (node, mqtt, http) = embedded_node_with_http("gw-r3", &env);
     let start = Instant::now();
@@ -224,7 +269,7 @@ fn redis_down_at_start_costs_misses_and_is_used_once_it_is_up() {
     let Some(redis) = RedisServer::start(Some(port), None) else { return };
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut i = 10;
-    while redis.keys("edgeinfer:v1:digits:*", 0).is_empty() {
+    while redis.keys("edgeinfer:v2:digits:*", 0).is_empty() {
         assert!(Instant::now() < deadline, "no answer reached Redis after it came up: {:?}", node.log);
         infer_digits(http, &request(&format!("d{i}"), i));
         i += 1;
@@ -246,7 +291,7 @@ fn auth_with_a_password_file_works_and_the_password_is_shown_nowhere() {
     let (a_node, a) = node("gw-r4", &redis.url(), &env);
     let (b_node, b) = node("gw-r5", &redis.url(), &env);
     assert_eq!(cache_of(&infer_digits(a, &request("p1", 2))), "miss");
-    redis.keys("edgeinfer:v1:digits:*", 1);
+    redis.keys("edgeinfer:v2:digits:*", 1);
     assert_eq!(cache_of(&infer_digits(b, &request("p2", 2))), "redis");
     // An ACL user of its own, limited to the site's prefix: the user in the
     // URL, its password in the file.
@@ -307,7 +352,7 @@ fn redis_killed_while_serving_loses_no_request_and_is_used_again_when_back() {
     for i in 0..20 {
         assert_eq!(cache_of(&infer_digits(http, &distinct(i))), "miss");
     }
-    redis.keys("edgeinfer:v1:digits:*", 20);
+    redis.keys("edgeinfer:v2:digits:*", 20);
     let _ = redis.child.kill();
     let _ = redis.child.wait();
     // Every request is answered (infer_digits asserts HTTP 200), in time.
@@ -330,7 +375,7 @@ fn redis_killed_while_serving_loses_no_request_and_is_used_again_when_back() {
     let Some(redis) = RedisServer::start(Some(port), None) else { return };
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut i = 120;
-    while redis.keys("edgeinfer:v1:digits:*", 0).is_empty() {
+    while redis.keys("edgeinfer:v2:digits:*", 0).is_empty() {
         assert!(Instant::now() < deadline, "no answer reached Redis after it came back");
         infer_digits(http, &distinct(i));
         i += 1;
@@ -348,6 +393,7 @@ async fn three_nodes_in_one_share_group_share_answers_and_a_new_node_hits_from_i
         ("EDGEINFER_CACHE__REDIS__ENABLED", "true"),
         ("EDGEINFER_CACHE__REDIS__URL", url.as_str()),
         ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "1000"),
+        key_env(),
     ];
     let _site: Vec<Node> =
         ["gw-s1", "gw-s2", "gw-s3"].iter().map(|id| Node::start(&broker.url(), id, &env)).collect();
@@ -371,7 +417,7 @@ async fn three_nodes_in_one_share_group_share_answers_and_a_new_node_hits_from_i
     };
     let first = round("one", "edgeinfer/infer/digits", (0..n).collect()).await;
     assert!(first.values().all(|(_, cache)| cache == "miss"), "{first:?}");
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", n).len(), n);
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", n).len(), n);
     // The same rows again (in reverse: mosquitto deals a share group's
     // messages round robin), spread over the group: nothing is computed
     // twice, and a row that lands on another node than the one that
@@ -399,7 +445,7 @@ fn rediss_with_a_site_ca_shares_answers_and_without_the_ca_the_layer_says_why() 
     let (_a, a) = node("gw-t1", &redis.url(), &ca_env);
     let (_b, b) = node("gw-t2", &redis.url(), &ca_env);
     assert_eq!(cache_of(&infer_digits(a, &request("t1", 4))), "miss");
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 1).len(), 1, "stored over TLS");
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 1).len(), 1, "stored over TLS");
     assert_eq!(cache_of(&infer_digits(b, &request("t2", 4))), "redis");
     assert_eq!(get_json(b, "/cache/stats").1["redis"], json!({"up": true}));
     // The system roots do not know the site CA: no TLS, and it says so.
@@ -452,7 +498,7 @@ fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds_and_with_eviction_t
     for i in 0..10 {
         assert_eq!(cache_of(&infer_digits(b, &request(&format!("f{i}"), i))), "miss");
     }
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 10).len(), 10);
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 10).len(), 10);
     // Full, and told not to evict: every write is refused with OOM.
     redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
     redis.cli(&["CONFIG", "SET", "maxmemory", "1"]);
@@ -474,7 +520,7 @@ fn a_full_redis_refuses_new_answers_yet_serves_what_it_holds_and_with_eviction_t
     // Room again: answers are stored, and the status clears.
     redis.cli(&["CONFIG", "SET", "maxmemory", "0"]);
     infer_digits(a, &request("f40", 40));
-    assert_eq!(redis.keys("edgeinfer:v1:digits:*", 11).len(), 11);
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 11).len(), 11);
     let deadline = Instant::now() + Duration::from_secs(5);
     while get_json(a, "/cache/stats").1["redis"] != json!({"up": true}) {
         assert!(Instant::now() < deadline, "{}", get_json(a, "/cache/stats").1);
@@ -509,7 +555,7 @@ fn a_redis_that_stops_answering_costs_misses_not_time() {
     let Some(redis) = RedisServer::start(None, None) else { return };
     let (_n, http) = node("gw-p1", &redis.url(), &[("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "20")]);
     assert_eq!(cache_of(&infer_digits(http, &request("p0", 0))), "miss");
-    redis.keys("edgeinfer:v1:digits:*", 1);
+    redis.keys("edgeinfer:v2:digits:*", 1);
     // Redis holds every command for 5 s: each lookup gives up after 20 ms,
     // and after three the layer stands aside.
     let paused = Instant::now();
@@ -536,4 +582,205 @@ fn a_redis_that_stops_answering_costs_misses_not_time() {
         i += 1;
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+// Issue 35, finding 8: shared answers are keyed by the model's contents,
+// signed with the site key, and read no further than a cap.
+
+fn label_of(reply: &Value) -> &str {
+    reply["parameters"]["label"].as_str().unwrap_or_else(|| panic!("no label in {reply}"))
+}
+
+/// Row `i` asked of the node on `http`, which computes it; the name of
+/// the key its answer went to in Redis.
+fn stored_key(redis: &RedisServer, http: u16, i: usize) -> String {
+    let before = redis.keys("edgeinfer:v2:digits:*", 0);
+    let reply = infer_digits(http, &request(&format!("store-{i}"), i));
+    assert_eq!(cache_of(&reply), "miss", "{reply}");
+    let after = redis.keys("edgeinfer:v2:digits:*", before.len() + 1);
+    after.into_iter().find(|k| !before.contains(k)).unwrap_or_else(|| panic!("row {i} never reached Redis"))
+}
+
+/// The node's count of values it read from Redis and did not serve.
+fn rejected(http: u16, reason: &str) -> f64 {
+    sample(&scrape(http), &["edgeinfer_cache_redis_rejected_total{", &format!("reason=\"{reason}\"")])
+}
+
+/// A value laid out as a node signs one (format byte, HMAC-SHA256 tag
+/// over the format, the key's name and the payload, then the payload),
+/// tagged with `key`: with any key but the site's, the best a client that
+/// can write to Redis can do.
+fn signed_with(key: &[u8], name: &str, payload: &[u8]) -> Vec<u8> {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+    mac.update(&[2]);
+    mac.update(&(name.len() as u64).to_le_bytes());
+    mac.update(name.as_bytes());
+    mac.update(payload);
+    [&[2][..], &mac.finalize().into_bytes(), payload].concat()
+}
+
+/// Redis format 1's record: checksummed with plain sha256 over the key and
+/// contents, which anyone can compute; what nodes served before signing.
+fn format_one(name: &str, stored_at_ms: u64, expires_at_ms: u64, body: Vec<u8>) -> Vec<u8> {
+    use sha2::Digest;
+    let key = hex::decode(name.rsplit(':').next().unwrap()).unwrap();
+    let mut h = sha2::Sha256::new();
+    h.update(&key);
+    h.update(stored_at_ms.to_le_bytes());
+    h.update(expires_at_ms.to_le_bytes());
+    h.update(&body);
+    let checksum = u64::from_le_bytes(h.finalize()[..8].try_into().unwrap());
+    postcard::to_stdvec(&(0u64, stored_at_ms, expires_at_ms, checksum, body)).unwrap()
+}
+
+#[test]
+fn finding_8_an_answer_forged_in_redis_without_the_site_key_is_not_served() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let (_a, a) = node("gw-k1", &redis.url(), &[]);
+    // The forger reads a genuine answer (row 1, a 6) and plants it, with
+    // its wrong label, under other rows' exact keys.
+    let donor_key = stored_key(&redis, a, 1);
+    let donor = redis.get(&donor_key);
+    let donor_label = label_of(&infer_digits(a, &request("donor", 1))).to_string();
+    let payload = &donor[33..];
+    let (stored_at_ms, expires_at_ms, body): (u64, u64, Vec<u8>) = postcard::from_bytes(payload).unwrap();
+    let mut targets = Vec::new();
+    for row in [0, 2, 6, 7, 8] {
+        let name = stored_key(&redis, a, row);
+        let right = label_of(&infer_digits(a, &request("right", row))).to_string();
+        assert_ne!(right, donor_label, "row {row}");
+        targets.push((row, name, right));
+    }
+    let other_key = [0x5a; 32];
+    let planted: [(&str, Option<Vec<u8>>); 4] = [
+        ("signed with a key not the site's", Some(signed_with(&other_key, &targets[0].1, payload))),
+        ("format 1's unsigned record", Some(format_one(&targets[1].1, stored_at_ms, expires_at_ms, body))),
+        ("a genuine value of another key, copied", Some(donor.clone())),
+        ("a list, not a string", None),
+    ];
+    for ((_, name, _), (_, value)) in targets.iter().zip(&planted) {
+        match value {
+            Some(value) => redis.set(name, value),
+            None => {
+                redis.cli(&["DEL", name]);
+                redis.cli(&["RPUSH", name, "6"]);
+            }
+        }
+    }
+    let (b_node, b) = node("gw-k2", &redis.url(), &[]);
+    for ((row, _, right), (what, _)) in targets.iter().zip(&planted) {
+        let reply = infer_digits(b, &request(&format!("b{row}"), *row));
+        assert_eq!(cache_of(&reply), "miss", "{what}: {reply}");
+        assert_eq!(label_of(&reply), right, "{what}: the model ran and answered right");
+    }
+    assert_eq!(rejected(b, "signature"), 2.0, "another key's tag, and a tag for another key");
+    assert_eq!(rejected(b, "unsigned"), 2.0, "format 1, and a list");
+    assert_eq!(sample(&scrape(b), &["edgeinfer_cache_redis_up"]), 1.0, "Redis answered all along");
+    let log = b_node.log.lock().unwrap().clone();
+    let lines: Vec<&String> = log.iter().filter(|l| l.contains("not served")).collect();
+    assert_eq!(lines.len(), 1, "one line for four rejected values: {lines:?}");
+    assert!(lines[0].contains("signature") && lines[0].contains("cache.redis.key_file"), "{}", lines[0]);
+    // The control: the same wrong answer signed with the site key is
+    // served, so what kept the forgeries out was the key alone.
+    let (row, name, _) = &targets[4];
+    redis.set(name, &signed_with(&hex::decode(SITE_KEY).unwrap(), name, payload));
+    let reply = infer_digits(b, &request("b-signed", *row));
+    assert_eq!((cache_of(&reply), label_of(&reply)), ("redis", donor_label.as_str()), "{reply}");
+}
+
+#[test]
+fn finding_8_nodes_with_other_contents_under_version_1_do_not_share_answers() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    // Three "digits v1": the shipped one; another model file (trained on
+    // labels shifted by one); the shipped file with its labels renamed
+    // (another manifest).
+    let (stock, other_file, other_manifest) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    copy_digits_version(stock.path(), "1", false);
+    copy_test_version(other_file.path(), "digits-wrong-labels", "1");
+    copy_digits_version(other_manifest.path(), "1", false);
+    let manifest = other_manifest.path().join("digits/1/model.toml");
+    let names = r#"["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]"#;
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(&manifest, text.replace(r#"["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]"#, names))
+        .unwrap();
+    let url = redis.url();
+    let start = |id: &str, models: &tempfile::TempDir| {
+        node(id, &url, &[("EDGEINFER_NODE__MODELS_DIR", models.path().to_str().unwrap())])
+    };
+    let (_a, a) = start("gw-c1", &stock);
+    let (_b, b) = start("gw-c2", &other_file);
+    let (_c, c) = start("gw-c3", &other_manifest);
+    let (_d, d) = start("gw-c4", &stock);
+    let row = 2;
+    let from_a = infer_digits(a, &request("a", row));
+    assert_eq!(cache_of(&from_a), "miss");
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 1).len(), 1);
+    let from_b = infer_digits(b, &request("b", row));
+    assert_eq!((cache_of(&from_b), from_b["model_version"].as_str()), ("miss", Some("1")), "{from_b}");
+    assert_ne!(label_of(&from_b), label_of(&from_a), "its own model's answer");
+    let from_c = infer_digits(c, &request("c", row));
+    assert_eq!(cache_of(&from_c), "miss", "{from_c}");
+    let renamed = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"];
+    assert_eq!(label_of(&from_c), renamed[label_of(&from_a).parse::<usize>().unwrap()], "its own labels");
+    assert_eq!(redis.keys("edgeinfer:v2:digits:*", 3).len(), 3, "one answer per contents");
+    // The same contents still share.
+    let from_d = infer_digits(d, &request("d", row));
+    assert_eq!(cache_of(&from_d), "redis", "{from_d}");
+    assert_eq!(from_d["outputs"], from_a["outputs"]);
+}
+
+#[test]
+fn finding_8_an_oversized_value_in_redis_is_a_miss_read_no_further_than_the_cap() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let (_a, a) = node("gw-o1", &redis.url(), &[]);
+    let (_b, b) = node("gw-o2", &redis.url(), &[]);
+    let row = 4;
+    let name = stored_key(&redis, a, row);
+    let genuine = infer_digits(a, &request("a-again", row));
+    // The genuine signed answer, then zeros up to 32 MiB.
+    redis.cli(&["SETRANGE", &name, &((32 << 20) - 1).to_string(), "x"]);
+    assert_eq!(redis.cli(&["STRLEN", &name]), (32 << 20).to_string());
+    let sent = redis.bytes_sent();
+    let asked = Instant::now();
+    let reply = infer_digits(b, &request("b", row));
+    let took = asked.elapsed();
+    let read = redis.bytes_sent() - sent;
+    assert_eq!(cache_of(&reply), "miss", "{reply}");
+    assert_eq!(label_of(&reply), label_of(&genuine));
+    assert!(read < 2 << 20, "Redis sent {read} bytes for one lookup of a 32 MiB value");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert_eq!(rejected(b, "oversized"), 1.0);
+    assert_eq!(sample(&scrape(b), &["edgeinfer_cache_redis_up"]), 1.0);
+    // The node's own answer replaces the giant, and it serves on.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while redis.cli(&["STRLEN", &name]).parse::<u64>().unwrap() > 1 << 20 {
+        assert!(Instant::now() < deadline, "the oversized value was never replaced");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(cache_of(&infer_digits(b, &request("b-again", row))), "memory");
+}
+
+#[test]
+fn finding_8_a_site_key_shorter_than_32_bytes_leaves_the_layer_off_and_says_why() {
+    let Some(redis) = RedisServer::start(None, None) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let short = dir.path().join("redis.key");
+    std::fs::write(&short, &SITE_KEY[..32]).unwrap();
+    let (node, http) =
+        node("gw-s16", &redis.url(), &[("EDGEINFER_CACHE__REDIS__KEY_FILE", short.to_str().unwrap())]);
+    assert_eq!(cache_of(&infer_digits(http, &request("s1", 3))), "miss", "the node serves");
+    let (_, stats) = get_json(http, "/cache/stats");
+    assert_eq!(stats["redis"]["up"], false, "{stats}");
+    let why = stats["redis"]["error"].as_str().unwrap_or_else(|| panic!("{stats}"));
+    assert!(
+        why.contains("cache.redis.key_file") && why.contains("16 bytes") && why.contains("at least 32"),
+        "{why}"
+    );
+    assert!(!why.contains(&SITE_KEY[..32]), "the key is never shown: {why}");
+    let log = node.log.lock().unwrap().join("\n");
+    assert!(log.contains("cache.redis.key_file") && !log.contains(&SITE_KEY[..32]), "{log}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(redis.cli(&["DBSIZE"]), "0", "nothing unsigned written");
 }

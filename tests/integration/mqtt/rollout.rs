@@ -1,7 +1,9 @@
 //! Which version serves: `models status|promote|rollback` against the real
 //! binary, under load, across kill -9, and with no node running.
 
-use super::support::{Client, copy_digits_version, embedded_node_with_http, get_json, scrape};
+use super::support::{
+    Client, admin_get_json, admin_token_env, copy_digits_version, embedded_node_with_http, get_json, scrape,
+};
 use crate::{digits_request, heldout};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -22,6 +24,8 @@ pub(super) fn models_command(models: &Path, state: &Path, args: &[&str]) -> Resu
         // No default address to ask: only --url reaches a node.
         .env("EDGEINFER_HTTP__LISTEN", "")
         .env("EDGEINFER_NODE__STATE_DIR", state)
+        // What the tests' nodes that take rollout commands hold.
+        .env("EDGEINFER_HTTP__ADMIN_TOKEN_FILE", super::support::admin_token_file())
         .output()
         .unwrap();
     if out.status.success() {
@@ -43,8 +47,12 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     copy_digits_version(models.path(), "1", false);
     copy_digits_version(models.path(), "2", false);
     let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
-    let env = [("EDGEINFER_NODE__MODELS_DIR", m.as_str()), ("EDGEINFER_NODE__STATE_DIR", s.as_str())];
-    let start = |env: [(&'static str, String); 2]| async move {
+    let env = [
+        ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
+        ("EDGEINFER_NODE__STATE_DIR", s.as_str()),
+        admin_token_env(),
+    ];
+    let start = |env: [(&'static str, String); 3]| async move {
         tokio::task::spawn_blocking(move || {
             let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
             embedded_node_with_http("gw-ro", &env)
@@ -210,14 +218,15 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
     .unwrap();
     assert_eq!(reply["model_version"], "2", "{reply}");
     let (code, wrong) = tokio::task::spawn_blocking(move || {
-        super::support::http(http, "POST", "/models/promote?model=digits&version=9", b"", "text/plain")
+        super::support::admin_http(http, "POST", "/models/promote?model=digits&version=9")
     })
     .await
     .unwrap();
     let wrong: Value = serde_json::from_slice(&wrong).unwrap();
     let why = wrong["error"].as_str().unwrap_or_default();
     assert!(code == 404 && why.contains("\"9\"") && why.contains("1, 2"), "{code} {wrong}");
-    let metadata = tokio::task::spawn_blocking(move || get_json(http, "/models/status")).await.unwrap().1;
+    let metadata =
+        tokio::task::spawn_blocking(move || admin_get_json(http, "/models/status")).await.unwrap().1;
     assert_eq!(metadata[0]["history"].as_array().map(Vec::len), Some(2), "{metadata}");
     drop(node);
 
@@ -259,74 +268,88 @@ async fn rollback_and_promote_take_effect_at_once_under_load_and_hold_across_kil
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_control_topic_takes_commands_with_the_token_only_and_is_absent_when_off() {
+async fn the_control_topic_takes_signed_commands_only_and_is_absent_when_off() {
+    use super::control::{KEY, control_env, signed};
     let models = tempfile::tempdir().unwrap();
     copy_digits_version(models.path(), "1", false);
     copy_digits_version(models.path(), "2", false);
-    let token_file = models.path().join("control-token");
-    std::fs::write(&token_file, "fleet-Secret-7\n").unwrap();
-    let m = models.path().display().to_string();
-    let t = token_file.display().to_string();
+    let mut env = control_env(models.path());
+    env.push(("EDGEINFER_NODE__MODELS_DIR", models.path().display().to_string()));
     let (_on, mqtt_on, _) = tokio::task::spawn_blocking(move || {
-        embedded_node_with_http(
-            "gw-ctl",
-            &[
-                ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
-                ("EDGEINFER_CONTROL__ENABLED", "true"),
-                ("EDGEINFER_CONTROL__TOKEN_FILE", t.as_str()),
-            ],
-        )
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        embedded_node_with_http("gw-ctl", &env)
     })
     .await
     .unwrap();
     let mut fleet = Client::connect(mqtt_on, "fleet-ctl", &["fleet/replies"]).await;
-    let mut ask = async |command: Value| {
+    let mut ask = async |command: &Value| {
         let payload = command.to_string().into_bytes();
         fleet.request("edgeinfer/gw-ctl/control", payload, "fleet/replies", b"c", None).await;
         fleet.next_json().await.1
     };
-    let refused = ask(serde_json::json!({"id": "c1", "command": "rollback", "model": "digits"})).await;
+    let sign = |command: Value| signed("edgeinfer/gw-ctl/control", command);
+    let refused = ask(&serde_json::json!({"id": "c1", "command": "rollback", "model": "digits"})).await;
     assert_eq!(refused["error"]["code"], "unauthorized", "{refused}");
-    let wrong = serde_json::json!({"id": "c2", "token": "guess", "command": "rollback", "model": "digits"});
-    assert_eq!(ask(wrong).await["error"]["code"], "unauthorized");
-    let token = "fleet-Secret-7";
-    let status = ask(serde_json::json!({"id": "c3", "token": token, "command": "status"})).await;
+    // A token, even the key itself, is no signature.
+    let token = serde_json::json!({"id": "c2", "token": KEY, "command": "rollback", "model": "digits"});
+    assert_eq!(ask(&token).await["error"]["code"], "unauthorized");
+    let status = ask(&sign(serde_json::json!({"id": "c3", "command": "status"}))).await;
     assert_eq!(status["result"][0]["serving"], "2", "{status}");
-    let done =
-        ask(serde_json::json!({"id": "c4", "token": token, "command": "rollback", "model": "digits"})).await;
+    let rollback = sign(serde_json::json!({"id": "c4", "command": "rollback", "model": "digits"}));
+    let done = ask(&rollback).await;
     assert_eq!((done["id"].as_str(), done["result"]["version"].as_str()), (Some("c4"), Some("1")), "{done}");
     assert_eq!(done["result"]["by"], "control topic");
-    // The same command again (a broker redelivering it after a restart): the
-    // decision it took, not a second step back.
-    let again =
-        ask(serde_json::json!({"id": "c4", "token": token, "command": "rollback", "model": "digits"})).await;
+    // The same signed command again (a broker redelivering it after a
+    // restart): the decision it took, not a second step back.
+    let again = ask(&rollback).await;
     assert_eq!(again["result"], done["result"], "{again}");
-    let status =
-        ask(serde_json::json!({"id": "c4b", "token": token, "command": "status", "model": "digits"})).await;
+    // Signed again under the same id (a sender retrying): applied once too.
+    let resigned =
+        ask(&sign(serde_json::json!({"id": "c4", "command": "rollback", "model": "digits"}))).await;
+    assert_eq!(resigned["result"], done["result"], "{resigned}");
+    // Finding 9: the same id for another command is refused, not answered
+    // with the decision the id took.
+    let reused =
+        ask(&sign(serde_json::json!({"id": "c4", "command": "promote", "model": "digits", "version": "2"})))
+            .await;
+    assert_eq!(reused["error"]["code"], "conflict", "{reused}");
+    let message = reused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("rollback digits") && message.contains("promote digits v2"), "{reused}");
+    let status = ask(&sign(serde_json::json!({"id": "c4b", "command": "status", "model": "digits"}))).await;
     assert_eq!(status["result"][0]["history"].as_array().map(Vec::len), Some(1), "{status}");
-    let unknown = ask(serde_json::json!({"id": "c5", "token": token, "command": "promote", "model": "digits", "version": "9"})).await;
+    let unknown =
+        ask(&sign(serde_json::json!({"id": "c5", "command": "promote", "model": "digits", "version": "9"})))
+            .await;
     assert_eq!(unknown["error"]["code"], "unknown_model", "{unknown}");
-    let rollout = |id: &str, mode: &str| serde_json::json!({"id": id, "token": token, "command": "rollout", "model": "digits", "version": "2", "mode": mode});
-    let sideways = ask(rollout("c5b", "sideways")).await;
+    let rollout = |id: &str, mode: &str| {
+        sign(
+            serde_json::json!({"id": id, "command": "rollout", "model": "digits", "version": "2", "mode": mode}),
+        )
+    };
+    let sideways = ask(&rollout("c5b", "sideways")).await;
     assert_eq!(sideways["error"]["code"], "invalid_payload", "{sideways}");
     assert!(sideways["error"]["message"].as_str().unwrap().contains("canary, shadow or ab"), "{sideways}");
-    let shadow = ask(rollout("c5c", "shadow")).await;
+    let shadow = ask(&rollout("c5c", "shadow")).await;
     assert_eq!(
         (shadow["result"]["action"].as_str(), shadow["result"]["version"].as_str()),
         (Some("started"), Some("2")),
         "{shadow}"
     );
-    let junk = ask(serde_json::json!({"id": "c6", "token": token, "command": "reboot"})).await;
+    let junk = ask(&sign(serde_json::json!({"id": "c6", "command": "reboot"}))).await;
     assert!(
         junk["error"]["message"].as_str().unwrap().contains("status, promote, rollback or rollout"),
         "{junk}"
     );
+    let no_id = ask(&sign(serde_json::json!({"command": "rollback", "model": "digits"}))).await;
+    assert_eq!(no_id["error"]["code"], "invalid_payload", "{no_id}");
 
     // Off (the default): nothing listens there.
     let (_off, mqtt_off, _) =
         tokio::task::spawn_blocking(|| embedded_node_with_http("gw-noctl", &[])).await.unwrap();
     let mut fleet = Client::connect(mqtt_off, "fleet-noctl", &["fleet/replies"]).await;
-    let command = serde_json::json!({"id": "x", "token": token, "command": "status"}).to_string();
-    fleet.request("edgeinfer/gw-noctl/control", command.into_bytes(), "fleet/replies", b"c", None).await;
+    let command = signed("edgeinfer/gw-noctl/control", serde_json::json!({"id": "x", "command": "status"}));
+    fleet
+        .request("edgeinfer/gw-noctl/control", command.to_string().into_bytes(), "fleet/replies", b"c", None)
+        .await;
     assert!(fleet.next(Duration::from_secs(1)).await.is_none(), "a node with control off answered");
 }

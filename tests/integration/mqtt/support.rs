@@ -33,6 +33,39 @@ pub fn http_with(port: u16, method: &str, path: &str, headers: &[u8], body: &[u8
     (status, raw[split + 4..].to_vec())
 }
 
+/// The admin token of the tests' nodes that take rollout commands (which
+/// need one), and of `edgeinfer models` asking them.
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
+/// A file holding `ADMIN_TOKEN`, for `http.admin_token_file`; one per test
+/// process.
+pub fn admin_token_file() -> &'static str {
+    static FILE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("edgeinfer-test-admin-{}.token", std::process::id()));
+        std::fs::write(&path, format!("{ADMIN_TOKEN}\n")).unwrap();
+        path.display().to_string()
+    })
+}
+
+/// `http.admin_token_file` as a node's environment sets it.
+pub fn admin_token_env() -> (&'static str, &'static str) {
+    ("EDGEINFER_HTTP__ADMIN_TOKEN_FILE", admin_token_file())
+}
+
+/// `http()` to an admin route of a node with `admin_token_env()`, no body.
+pub fn admin_http(port: u16, method: &str, path: &str) -> (u16, Vec<u8>) {
+    http_with(port, method, path, format!("Authorization: Bearer {ADMIN_TOKEN}").as_bytes(), b"")
+}
+
+/// `get_json()` for an admin route of a node with `admin_token_env()`.
+pub fn admin_get_json(port: u16, path: &str) -> (u16, serde_json::Value) {
+    let (status, body) = admin_http(port, "GET", path);
+    let json = serde_json::from_slice(&body)
+        .unwrap_or_else(|e| panic!("{path}: {e}: {:?}", String::from_utf8_lossy(&body)));
+    (status, json)
+}
+
 /// `POST /v2/models/digits/infer` with `req`; the reply, asserting 200.
 pub fn infer_digits(port: u16, req: &serde_json::Value) -> serde_json::Value {
     let (status, body) =
