@@ -113,25 +113,36 @@ impl Stats {
     }
 }
 
-/// How often the owner drains its channel. It polls instead of blocking in
-/// `recv`, because a blocked receiver is woken (a futex call and a context
-/// switch) by every request's sample: measured, the node ran 6.7% below
-/// the previous one that way (docs/BENCHMARKS.md). A `take` waits at most
-/// this long.
+/// How often the owner drains its channel while requests come. It polls
+/// instead of blocking in `recv`, because a blocked receiver is woken (a
+/// futex call and a context switch) by every request's sample: measured,
+/// the node ran 6.7% below the previous one that way (docs/BENCHMARKS.md).
+/// A `take` waits at most this long.
 const DRAIN_EVERY: Duration = Duration::from_millis(20);
+/// Drains in a row that found nothing before the owner blocks in `recv`:
+/// an idle node's thread then sleeps until the next sample or `take` (one
+/// wake-up), instead of waking 50 times a second.
+const IDLE_AFTER: u32 = 50;
 
 /// The owner: one histogram per model, reset at each `Take`.
 fn own(rx: Receiver<Message>) {
     let mut histograms: HashMap<Arc<str>, hdrhistogram::Histogram<u64>> = HashMap::new();
+    let mut empty_drains = 0;
     loop {
         let message = match rx.try_recv() {
             Ok(message) => message,
+            Err(TryRecvError::Empty) if empty_drains >= IDLE_AFTER => match rx.recv() {
+                Ok(message) => message,
+                Err(_) => return,
+            },
             Err(TryRecvError::Empty) => {
+                empty_drains += 1;
                 std::thread::sleep(DRAIN_EVERY);
                 continue;
             }
             Err(TryRecvError::Disconnected) => return,
         };
+        empty_drains = 0;
         match message {
             Message::Answered { model, micros } => {
                 let h = histograms.entry(model).or_insert_with(|| {

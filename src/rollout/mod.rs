@@ -383,7 +383,14 @@ impl Owner {
     fn run(mut self, mut inbox: mpsc::Receiver<Command>, received: Receiver<Message>) {
         let mut judged = Instant::now();
         loop {
-            match received.recv_timeout(JUDGE_EVERY.saturating_sub(judged.elapsed())) {
+            // With no rollout to judge and nothing to save again, nothing
+            // happens until a command comes: sleep until then, not a second.
+            let idle = self.state.candidates().next().is_none() && !self.state.has_unsaved();
+            let message = match idle {
+                true => received.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                false => received.recv_timeout(JUDGE_EVERY.saturating_sub(judged.elapsed())),
+            };
+            match message {
                 Ok(Message::Seen(seen)) => self.count(&seen),
                 Ok(Message::Command) | Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,

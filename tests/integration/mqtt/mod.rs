@@ -10,6 +10,7 @@ mod embedded;
 mod faults;
 mod http_access;
 mod http_split;
+mod idle;
 mod lifecycle;
 mod mosquitto;
 mod observability;

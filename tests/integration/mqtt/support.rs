@@ -293,6 +293,11 @@ impl Node {
         self.child.wait().unwrap()
     }
 
+    /// The process id, to read its `/proc` entries.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Sends `kill -NAME` (TERM, HUP, ...).
     pub fn signal(&self, name: &str) {
         let _ = Command::new("kill").arg(format!("-{name}")).arg(self.child.id().to_string()).status();
