@@ -70,6 +70,15 @@ pub struct MqttConfig {
     pub session_expiry_s: u32,
     /// At least 5 (rumqttc's floor).
     pub keep_alive_s: u16,
+    /// The share group's own connection (`transport/mqtt/share.rs`): how
+    /// long the broker keeps its session, and with it the node's place in
+    /// the group, after the connection is gone. A dead node's share of the
+    /// site's requests goes to it until then.
+    pub share_session_expiry_s: u32,
+    /// Keep alive of the share group's connection: a node that dies without
+    /// a TCP reset leaves the group after 1.5 times this plus
+    /// `share_session_expiry_s`.
+    pub share_keep_alive_s: u16,
     pub username: Option<String>,
     /// Prefer `password_file` or `EDGEINFER_MQTT__PASSWORD`; never logged.
     pub password: Option<Secret>,
@@ -423,6 +432,8 @@ impl Default for MqttConfig {
             client_id: None,
             session_expiry_s: 3600,
             keep_alive_s: 30,
+            share_session_expiry_s: 5,
+            share_keep_alive_s: 5,
             username: None,
             password: None,
             password_file: None,
@@ -638,6 +649,26 @@ impl Config {
                 format!(
                     "{}: use 5 to 65535 seconds (the MQTT client needs at least 5)",
                     self.mqtt.keep_alive_s
+                ),
+            );
+        }
+        if !(5..=60).contains(&self.mqtt.share_keep_alive_s) {
+            return bad(
+                "mqtt.share_keep_alive_s",
+                format!(
+                    "{}: use 5 to 60 seconds (a node that dies silently leaves the share group after 1.5 \
+                     times this plus mqtt.share_session_expiry_s)",
+                    self.mqtt.share_keep_alive_s
+                ),
+            );
+        }
+        if self.mqtt.share_session_expiry_s > 300 {
+            return bad(
+                "mqtt.share_session_expiry_s",
+                format!(
+                    "{}: use 0 to 300 seconds (a dead node's share of the requests waits for it this long; \
+                     its own topic keeps mqtt.session_expiry_s)",
+                    self.mqtt.share_session_expiry_s
                 ),
             );
         }
@@ -1209,15 +1240,19 @@ mod tests {
         assert!(Config::load_with_env(None, env(&https)).is_ok());
     }
 
-    /// rumqttc panics on a keep alive under 5 s: refused, naming the key.
+    /// Issue 42: rumqttc panics on a keep alive under 5 s; the share
+    /// group's timers are bounded so a dead node leaves within seconds.
     #[test]
-    fn keep_alives_under_5_s_are_refused_naming_the_key() {
+    fn keep_alives_under_5_s_and_a_long_share_session_are_refused_naming_the_key() {
         for (var, value, key, allowed) in [
             ("EDGEINFER_MQTT__KEEP_ALIVE_S", "4", "mqtt.keep_alive_s", "5 to 65535"),
-            ("EDGEINFER_SITE__KEEP_ALIVE_S", "2", "site.keep_alive_s", "5 to 60"),
+            ("EDGEINFER_MQTT__SHARE_KEEP_ALIVE_S", "2", "mqtt.share_keep_alive_s", "5 to 60"),
+            ("EDGEINFER_MQTT__SHARE_SESSION_EXPIRY_S", "3600", "mqtt.share_session_expiry_s", "0 to 300"),
         ] {
             let err = Config::load_with_env(None, env(&[(var, value)])).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains(value) && err.contains(allowed), "{err}");
         }
+        let config = Config::load_with_env(None, env(&[])).unwrap();
+        assert_eq!((config.mqtt.share_keep_alive_s, config.mqtt.share_session_expiry_s), (5, 5));
     }
 }

@@ -4,7 +4,8 @@
 mod status;
 
 pub use status::{
-    CacheHealth, EngineSnapshot, ModelStatus, RedisState, State, Status, unix_now, unix_now_ms,
+    CacheHealth, EngineSnapshot, ModelStatus, RedisState, ShareGroupStatus, State, Status, unix_now,
+    unix_now_ms,
 };
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -33,6 +34,11 @@ pub const INFERENCE_BUSY: &str = "edgeinfer_inference_busy_ratio";
 pub const IN_FLIGHT: &str = "edgeinfer_in_flight_requests";
 pub const MQTT_CONNECTED: &str = "edgeinfer_mqtt_connected";
 pub const MQTT_RECONNECTS: &str = "edgeinfer_mqtt_reconnects_total";
+/// 1 while the share group's connection is up with its subscription in
+/// place (`transport/mqtt/share.rs`).
+pub const MQTT_SHARE_CONNECTED: &str = "edgeinfer_mqtt_share_connected";
+/// Requests the broker handed this node through the share group.
+pub const MQTT_SHARE_REQUESTS: &str = "edgeinfer_mqtt_share_requests_total";
 /// Requests dropped because they named nowhere to reply.
 pub const MQTT_NO_REPLY_TOPIC: &str = "edgeinfer_mqtt_no_reply_topic_total";
 /// Requests whose acknowledgement has not left (bounded by `mqtt.max_in_flight`).
@@ -193,6 +199,11 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_gauge!(IN_FLIGHT, "Requests being processed");
     metrics::describe_gauge!(MQTT_CONNECTED, "1 while the MQTT session is up with subscriptions in place");
     metrics::describe_counter!(MQTT_RECONNECTS, "MQTT connection losses");
+    metrics::describe_gauge!(
+        MQTT_SHARE_CONNECTED,
+        "1 while the share group's connection is up with its subscription in place"
+    );
+    metrics::describe_counter!(MQTT_SHARE_REQUESTS, "Requests received through the share group");
     metrics::describe_counter!(MQTT_NO_REPLY_TOPIC, "Requests dropped for naming no reply topic");
     metrics::describe_gauge!(
         MQTT_UNACKNOWLEDGED,

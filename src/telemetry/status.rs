@@ -54,6 +54,21 @@ pub struct Status {
     pub build: Build,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub config_sha256: Option<String>,
+    /// The share group's connection; set by the MQTT service.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share_group: Option<ShareGroupStatus>,
+}
+
+/// What the status shows of the share group's connection (issue 42).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ShareGroupStatus {
+    /// `mqtt.share_group`.
+    pub group: String,
+    /// Connected with the subscription in place: the broker hands this
+    /// node its share of the group's requests.
+    pub joined: bool,
+    /// Requests received through the group since start.
+    pub requests: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -191,6 +206,7 @@ impl Status {
             rollout: BTreeMap::new(),
             build: Build::THIS,
             config_sha256: None,
+            share_group: None,
         }
     }
 

@@ -19,6 +19,10 @@ pub struct Finished {
     pub epoch: u64,
     pub pkid: u16,
     pub reply: Option<super::outbox::Reply>,
+    /// Held until the reply is handed to rumqttc on its connection: a
+    /// follow-up to this request waits for it, and may go out on another
+    /// connection (the share group's requests, `share.rs`).
+    pub first: Option<crate::protocol::FirstReplyPending>,
 }
 
 /// A request's place in line; `send` (or dropping it, e.g. when its task
@@ -32,13 +36,23 @@ pub struct AckSlot {
 
 impl AckSlot {
     pub fn send(mut self, reply: Option<super::outbox::Reply>) {
-        self.report(reply);
+        self.report(reply, None);
+    }
+
+    /// `send`, with the guard a follow-up to this request waits on: released
+    /// once the reply is handed to rumqttc.
+    pub fn send_first(mut self, reply: super::outbox::Reply, first: crate::protocol::FirstReplyPending) {
+        self.report(Some(reply), Some(first));
     }
 
     /// Once: `send` and then `Drop` report nothing twice.
-    fn report(&mut self, reply: Option<super::outbox::Reply>) {
+    fn report(
+        &mut self,
+        reply: Option<super::outbox::Reply>,
+        first: Option<crate::protocol::FirstReplyPending>,
+    ) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply });
+            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply, first });
         }
     }
 }
@@ -51,7 +65,7 @@ impl Drop for AckSlot {
         if std::thread::panicking() {
             tracing::error!("a request task panicked before its reply was sent; acknowledging it anyway");
         }
-        self.report(None);
+        self.report(None, None);
     }
 }
 

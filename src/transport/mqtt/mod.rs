@@ -10,6 +10,7 @@ mod control;
 mod options;
 mod outbox;
 mod replay;
+mod share;
 mod signed;
 mod site;
 mod topics;
@@ -61,6 +62,9 @@ pub struct MqttService {
     /// With `control.enabled`: the key commands on the control topic are
     /// signed with, and the ones already answered.
     control: Option<ControlAuth>,
+    /// The share group's connection (`share.rs`), run beside this one.
+    share: Option<share::ShareLink>,
+    share_view: share::ShareView,
 }
 
 impl MqttService {
@@ -86,6 +90,7 @@ impl MqttService {
             None,
         ));
         let (ready_tx, ready_rx) = watch::channel(false);
+        let share = share::ShareLink::new(config, topics.clone())?;
         Ok((
             MqttService {
                 engine,
@@ -103,6 +108,8 @@ impl MqttService {
                 follow_ups: None,
                 events: None,
                 control: None,
+                share_view: share.view(),
+                share: Some(share),
             },
             ready_rx,
         ))
@@ -155,6 +162,16 @@ impl MqttService {
         let (mut acks, mut finished) = Acks::new();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut awaiting_suback = false;
+        // The share group rides a connection of its own (`share.rs`), which
+        // stops with this loop; the node is ready once both connections'
+        // subscriptions are in place.
+        let share = self.share.take().expect("run takes the service");
+        let mut share_joined = share.joined();
+        let (share_stop, share_stopped) = tokio::sync::oneshot::channel::<()>();
+        let share_task = tokio::spawn(share.run(self.engine.clone(), admission.clone(), async move {
+            let _ = share_stopped.await;
+        }));
+        let (mut subscribed, mut session, mut share_gone) = (false, "new", false);
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
@@ -209,6 +226,15 @@ impl MqttService {
                     self.publish_stats(&mut conn).await;
                     continue;
                 }
+                // Only while connected: winning this select while rumqttc is
+                // connecting would drop its half-made connection, and the
+                // broker would keep a session that never subscribed.
+                changed = share_joined.changed(), if !share_gone && conn.connected => {
+                    share_gone = changed.is_err();
+                    let joined = !share_gone && *share_joined.borrow();
+                    self.update_ready(&mut conn, subscribed, joined, session);
+                    continue;
+                }
                 event = eventloop.poll() => event,
             };
             match event {
@@ -231,7 +257,10 @@ impl MqttService {
                         // The control topic follows the config in service,
                         // not the one the session was made with.
                         self.resubscribe_control(&conn.client);
-                        self.announce_ready(&mut conn, "resumed");
+                        self.leave_share_on_own_session(&conn.client);
+                        self.resubscribe_own_topic(&conn.client);
+                        (subscribed, session) = (true, "resumed");
+                        self.update_ready(&mut conn, subscribed, *share_joined.borrow(), session);
                     }
                 }
                 Ok(Event::Incoming(Packet::SubAck(ack))) => {
@@ -243,7 +272,8 @@ impl MqttService {
                     } else if std::mem::take(&mut awaiting_suback) {
                         // Ready only now: a request published before the
                         // broker took the subscription would reach no one.
-                        self.announce_ready(&mut conn, "new");
+                        (subscribed, session) = (true, "new");
+                        self.update_ready(&mut conn, subscribed, *share_joined.borrow(), session);
                     }
                 }
                 Ok(Event::Incoming(Packet::Publish(publish))) => match acks.redelivered(&publish) {
@@ -293,7 +323,7 @@ impl MqttService {
                 Err(e) => {
                     conn.connected = false;
                     self.ready_tx.send_replace(false);
-                    awaiting_suback = false;
+                    (awaiting_suback, subscribed) = (false, false);
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
                     let wait = backoff.next();
@@ -302,20 +332,21 @@ impl MqttService {
                 }
             }
         }
-        self.drain(&mut conn, &mut eventloop, &mut tasks, &mut acks, &mut finished).await;
-        let offline = self.status.snapshot(State::Offline, self.engine.live());
-        let _ = conn.client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, offline);
-        let _ = conn.client.try_disconnect();
-        // Flush the offline status and the DISCONNECT.
-        let _ = tokio::time::timeout(Duration::from_secs(2), async {
-            loop {
-                match eventloop.poll().await {
-                    Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
-                    _ => {}
-                }
+        // The share group is left first (its loop unsubscribes at once) and
+        // drains beside this connection.
+        let _ = share_stop.send(());
+        let share_drained = async {
+            if let Err(e) = share_task.await {
+                tracing::error!("the share group's loop ended: {e}");
             }
-        })
-        .await;
+        };
+        tokio::join!(
+            self.drain(&mut conn, &mut eventloop, &mut tasks, &mut acks, &mut finished),
+            share_drained
+        );
+        let offline = self.status_now().snapshot(State::Offline, self.engine.live());
+        let _ = conn.client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, offline);
+        disconnect(&conn.client, &mut eventloop).await;
     }
 
     /// Finishes the requests in flight while the event loop keeps carrying
@@ -381,10 +412,15 @@ impl MqttService {
 
     /// The retained status, through the outbox.
     fn publish_status(&self, conn: &mut Connection, state: State) {
-        let status = self.status.snapshot(state, self.engine.live());
+        let status = self.status_now().snapshot(state, self.engine.live());
         let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, status, None);
         publish.retain = true;
         conn.outbox.publish(publish, Note::Status);
+    }
+
+    /// The status with the share group's connection as it is now.
+    fn status_now(&self) -> Status {
+        Status { share_group: Some(self.share_view.status()), ..self.status.clone() }
     }
 
     /// The periodic `stats` message, and the retained status refreshed with
@@ -406,9 +442,10 @@ impl MqttService {
     }
 
     /// Every filter in one SUBSCRIBE, so one SUBACK confirms them; the
-    /// control topic only with `control.enabled`.
+    /// control topic only with `control.enabled`. The share group is not
+    /// among them: it rides its own connection (`share.rs`).
     fn subscribe(&self, client: &AsyncClient) {
-        let mut topics = vec![self.topics.node_requests(), self.topics.shared_requests()];
+        let mut topics = vec![self.topics.node_requests()];
         if self.control.is_some() {
             topics.push(self.topics.control());
         }
@@ -429,6 +466,43 @@ impl MqttService {
         };
         if let Err(e) = done {
             tracing::error!("the control topic's subscription: {e}");
+        }
+    }
+
+    /// On a resumed session too: a session whose first connection broke
+    /// before its SUBSCRIBE resumes without the subscription. Subscribing
+    /// again replaces it and loses nothing queued [MQTT-3.8.4-3].
+    fn resubscribe_own_topic(&self, client: &AsyncClient) {
+        if let Err(e) = client.try_subscribe(self.topics.node_requests(), QoS::AtLeastOnce) {
+            tracing::error!("subscribing to the node's own requests: {e}");
+        }
+    }
+
+    /// A session resumed from before issue 42 may still hold the share
+    /// group, which would keep a dead node's place in it for
+    /// `mqtt.session_expiry_s`: dropped (a no-op once it is gone).
+    fn leave_share_on_own_session(&self, client: &AsyncClient) {
+        if let Err(e) = client.try_unsubscribe(self.topics.shared_requests()) {
+            tracing::error!("dropping the share group from the node's own session: {e}");
+        }
+    }
+
+    /// Ready while this connection's subscriptions and the share group's
+    /// are both in place; the status says so whenever that changes.
+    fn update_ready(&self, conn: &mut Connection, subscribed: bool, share_joined: bool, session: &str) {
+        let was = *self.ready_tx.borrow();
+        if subscribed && share_joined && !was {
+            self.announce_ready(conn, session);
+        } else if subscribed && !share_joined {
+            metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(1.0);
+            if was {
+                self.ready_tx.send_replace(false);
+                self.publish_status(conn, State::Online);
+                tracing::warn!(
+                    "not ready: the share group's connection is down; serving {} only",
+                    self.topics.node_requests()
+                );
+            }
         }
     }
 
@@ -465,7 +539,7 @@ impl Connection {
     fn finished(&mut self, acks: &mut Acks, done: Finished) {
         let released = acks.finished(&done);
         if let Some(Reply { publish, id }) = done.reply {
-            self.outbox.publish(publish, Note::Reply { id });
+            self.outbox.publish(publish, Note::Reply { id, first: done.first });
         }
         for request in released {
             self.outbox.ack(request);
@@ -481,6 +555,21 @@ async fn next_event(rx: &mut Option<tokio::sync::mpsc::Receiver<Decision>>) -> O
     }
 }
 
+/// Sends DISCONNECT and turns the event loop until it has left (with what
+/// was queued before it), for at most 2 s: every connection's last words.
+async fn disconnect(client: &AsyncClient, eventloop: &mut EventLoop) {
+    let _ = client.try_disconnect();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            match eventloop.poll().await {
+                Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
+                _ => {}
+            }
+        }
+    })
+    .await;
+}
+
 /// The next follow-up, or never when there is no spool.
 async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::Receiver<FollowUp>>) -> Option<FollowUp> {
     match rx {
@@ -491,6 +580,7 @@ async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::Receiver<FollowUp>>) 
 
 /// What requests may hold at once: a count (`mqtt.max_in_flight`) and
 /// payload bytes (`limits.max_bytes_in_flight`).
+#[derive(Clone)]
 struct Admission {
     requests: Arc<Semaphore>,
     bytes: Arc<Semaphore>,
@@ -607,9 +697,13 @@ impl RequestTask {
             ));
             publish.payload = crate::protocol::codec::encode_reply(&reply.id, Err(error), encoding).into();
         }
-        ack.send(Some(Reply { publish, id: reply.id }));
-        // Only now may a follow-up to this request go out.
-        drop(first_reply_pending);
+        // A follow-up to this request goes out only once rumqttc has this
+        // reply: the outbox releases the guard then.
+        let reply = Reply { publish, id: reply.id };
+        match first_reply_pending {
+            Some(first) => ack.send_first(reply, first),
+            None => ack.send(Some(reply)),
+        }
     }
 }
 

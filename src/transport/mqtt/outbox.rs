@@ -31,6 +31,10 @@ pub struct Reply {
 pub enum Note {
     Reply {
         id: String,
+        /// Released when rumqttc takes the reply (or it is let go): a
+        /// follow-up to the request waits for it, so the final reply never
+        /// overtakes the provisional one, even from another connection.
+        first: Option<crate::protocol::FirstReplyPending>,
     },
     FollowUp(Delivery),
     /// The retained status: a newer one replaces one still queued.
@@ -156,11 +160,14 @@ impl Outbox {
             if !sent {
                 return;
             }
-            if let Some(Item::Publish { publish, note }) = self.queue.pop_front()
-                && publish.qos != QoS::AtMostOnce
-            {
-                self.handed.push_back(Tracked { order: self.next_order, publish, note });
-                self.next_order += 1;
+            if let Some(Item::Publish { publish, mut note }) = self.queue.pop_front() {
+                if let Note::Reply { first, .. } = &mut note {
+                    drop(first.take());
+                }
+                if publish.qos != QoS::AtMostOnce {
+                    self.handed.push_back(Tracked { order: self.next_order, publish, note });
+                    self.next_order += 1;
+                }
             }
         }
     }
@@ -220,7 +227,7 @@ impl Outbox {
 fn refused(note: Note, reason: &'static str, why: &str) {
     metrics::counter!(telemetry::MQTT_REPLIES_REFUSED, "reason" => reason).increment(1);
     match note {
-        Note::Reply { id } => {
+        Note::Reply { id, .. } => {
             tracing::error!(id = %id, "the reply to request {id:?} was not delivered: {why}")
         }
         Note::FollowUp(delivery) => {
@@ -250,10 +257,10 @@ mod tests {
         let (client, eventloop) = client();
         let mut outbox = Outbox::default();
         let (tx, mut reports) = mpsc::unbounded_channel();
-        outbox.publish(reply(1), Note::Reply { id: "r1".into() });
+        outbox.publish(reply(1), Note::Reply { id: "r1".into(), first: None });
         outbox.publish(reply(2), Note::FollowUp(Delivery::new(b"k2".to_vec(), tx.clone())));
         outbox.publish(reply(3), Note::FollowUp(Delivery::new(b"k3".to_vec(), tx.clone())));
-        outbox.publish(reply(4), Note::Reply { id: "r4".into() });
+        outbox.publish(reply(4), Note::Reply { id: "r4".into(), first: None });
         outbox.flush(&client);
         assert!(outbox.queue.is_empty());
         // rumqttc wrote 1 and 2, and 3 and 4 not yet.
@@ -276,6 +283,23 @@ mod tests {
             .collect();
         assert_eq!(topics, vec!["dev/1", "dev/3", "dev/4"], "the old session's acknowledgement is gone");
         drop(eventloop);
+    }
+
+    /// Issue 42: a request of the share group is answered on the share
+    /// connection and its follow-up on the node's own; the follow-up waits
+    /// until rumqttc has the provisional reply, not merely the outbox.
+    #[tokio::test]
+    async fn a_follow_up_waits_until_rumqttc_took_the_provisional_reply() {
+        let (client, _eventloop) = client();
+        let mut outbox = Outbox::default();
+        let (pending, after) = crate::protocol::first_reply();
+        outbox.publish(reply(1), Note::Reply { id: "r1".into(), first: Some(pending) });
+        let mut sent = Box::pin(after.sent());
+        let early = tokio::time::timeout(std::time::Duration::from_millis(20), &mut sent).await;
+        assert!(early.is_err(), "queued in the outbox is not handed on");
+        outbox.flush(&client);
+        tokio::time::timeout(std::time::Duration::from_secs(1), sent).await.expect("handed to rumqttc");
+        assert_eq!(outbox.handed.len(), 1, "still tracked for its PUBACK");
     }
 
     #[tokio::test]

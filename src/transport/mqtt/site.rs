@@ -215,15 +215,7 @@ impl SiteLink {
     /// Removes this node from the members, so the judging moves at once.
     async fn leave(&self, client: &AsyncClient, eventloop: &mut EventLoop) {
         let _ = client.try_publish(member_topic(&self.prefix, &self.node), QoS::AtLeastOnce, true, "");
-        let _ = client.try_disconnect();
-        let _ = tokio::time::timeout(Duration::from_secs(2), async {
-            while let Ok(event) = eventloop.poll().await {
-                if matches!(event, Event::Outgoing(rumqttc::Outgoing::Disconnect)) {
-                    break;
-                }
-            }
-        })
-        .await;
+        super::disconnect(client, eventloop).await;
     }
 }
 

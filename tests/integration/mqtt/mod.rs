@@ -18,6 +18,7 @@ mod redis;
 mod rollout;
 #[cfg(feature = "failpoints")]
 mod rollout_faults;
+mod share_failover;
 mod site_rollout;
 pub mod support;
 #[cfg(feature = "failpoints")]

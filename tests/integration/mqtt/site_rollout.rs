@@ -40,8 +40,6 @@ fn start_node(mosquitto: &Mosquitto, id: &str, models: &Path, dir: &Path) -> Sit
         ("EDGEINFER_HTTP__ADMIN_TOKEN_FILE", t.as_str()),
         ("EDGEINFER_SITE__ROLLOUT", "true"),
         ("EDGEINFER_SITE__KEEP_ALIVE_S", keep_alive.as_str()),
-        // A dead node's share of the group goes in seconds (issue 42).
-        ("EDGEINFER_MQTT__SESSION_EXPIRY_S", "2"),
     ];
     let (node, http) = node_with_http(&mosquitto.url(), id, &env);
     SiteNode { node, http }
@@ -238,7 +236,7 @@ async fn finding_6_one_rollout_per_site_judged_once_on_every_nodes_figures_survi
     assert!(moved * 10 >= DEVICES * 9, "{moved} of {DEVICES} devices reached v2");
     devices.assert_answered_by_after(0, promoted_at.0, "2");
     // Lost: what the killed node held, and its share until the broker
-    // dropped it from the group (issue 42's subject, not this test's).
+    // dropped it from the group (`mqtt.share_session_expiry_s`, issue 42).
     let answered = devices.replies.len() as f64 / devices.sent_at.len() as f64;
     assert!(answered > 0.75, "{answered}");
     assert_every_node_serves_v2_alone(&nodes);
