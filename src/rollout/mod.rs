@@ -495,10 +495,12 @@ impl Owner {
                 Some(site) => {
                     // This node's figures to the site; the others' pooled in.
                     let figures = StepFigures { step_id: candidate.step_id, window: own.to_wire() };
+                    let trial =
+                        site.pooled.pooled(model, candidate.step_id, &figures.window).trial(model, candidate);
                     let _ = site
                         .out
                         .try_send(SiteOut::Figures { model: model.clone(), figures: Box::new(figures) });
-                    site.pooled.pooled(model, candidate.step_id, own).trial(model, candidate)
+                    trial
                 }
                 None => own.trial(model, candidate),
             };

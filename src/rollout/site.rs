@@ -59,10 +59,11 @@ impl Pooled {
         }
     }
 
-    /// `own` with the other nodes' figures of the same step added.
-    pub fn pooled(&self, model: &str, step_id: u64, own: &Window) -> Window {
+    /// `own` (this node's figures, as sent) with the other nodes' figures
+    /// of the same step added.
+    pub fn pooled(&self, model: &str, step_id: u64, own: &WindowWire) -> Window {
         let mut window = Window::default();
-        window.add_wire(&own.to_wire());
+        window.add_wire(own);
         let others = self.by_model.get(model).into_iter().flat_map(|nodes| nodes.values());
         for figures in others.filter(|f| f.step_id == step_id) {
             window.add_wire(&figures.window);

@@ -7,9 +7,7 @@
 
 use super::support::{Client, Mosquitto, Node, copy_digits_version, embedded_node_with_http, free_port_pair};
 use hmac::{Hmac, Mac};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::Packet;
-use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use rumqttc::v5::MqttOptions;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use std::path::Path;
@@ -413,28 +411,7 @@ fn runbook_acl() -> String {
 async fn logged_in(port: u16, user: &str, topics: &[&str]) -> Client {
     let mut options = MqttOptions::new(format!("{user}-{}", fastrand::u32(..)), "127.0.0.1", port);
     options.set_credentials(user, format!("pw-{user}"));
-    let (client, mut eventloop) = AsyncClient::new(options, 64);
-    let (tx, inbox) = tokio::sync::mpsc::unbounded_channel();
-    let (subscribed_tx, mut subscribed) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Incoming(Packet::Publish(p))) => {
-                    let _ = tx.send(p);
-                }
-                Ok(Event::Incoming(Packet::SubAck(_))) => {
-                    let _ = subscribed_tx.send(());
-                }
-                Ok(_) => {}
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-    });
-    for topic in topics {
-        client.subscribe(*topic, QoS::AtLeastOnce).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(10), subscribed.recv()).await.expect("SUBACK").unwrap();
-    }
-    Client { client, inbox }
+    Client::connect_with(options, topics).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -336,6 +336,13 @@ impl Client {
         let mut net = rumqttc::NetworkOptions::new();
         net.set_tcp_nodelay(true);
         options.set_network_options(net);
+        Client::connect_with(options, subscriptions).await
+    }
+
+    /// A client made with `options` (a login, another id), subscribed to
+    /// `subscriptions` one at a time, each waited for; a refused one
+    /// brings nothing.
+    pub async fn connect_with(options: MqttOptions, subscriptions: &[&str]) -> Client {
         let (client, mut eventloop) = AsyncClient::new(options, 4096);
         let (tx, inbox) = mpsc::unbounded_channel();
         let (subscribed_tx, mut subscribed) = mpsc::unbounded_channel();
