@@ -525,8 +525,11 @@ async fn the_embedded_broker_requires_the_configured_login() {
 /// Issue 39, item 1: rumqttd 0.20.0 left Nagle on the sockets it accepts,
 /// so each round trip through the embedded broker waited ~40 ms on delayed
 /// ACKs; the vendored copy sets TCP_NODELAY (Cargo.toml, `[patch.crates-io]`).
-/// A 40x difference, not a timing margin: the median of 20 sequential round
-/// trips is under 10 ms.
+/// Counted, not timed against a margin: with Nagle on, nearly every round
+/// trip stalls for a delayed ACK (Linux's floor is 40 ms; the unpatched
+/// broker's median was 44 ms), so the test counts the round trips that took
+/// 35 ms or more and allows a few for a loaded CI machine (whose slowest
+/// round trip without Nagle was 15 ms).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_trip_through_the_embedded_broker_takes_no_nagle_delay() {
     let (_node, port) = embedded_node("gw-nodelay", &[]);
@@ -545,6 +548,10 @@ async fn a_round_trip_through_the_embedded_broker_takes_no_nagle_delay() {
     }
     round_trips.sort();
     let median = round_trips[round_trips.len() / 2];
-    eprintln!("20 round trips through the embedded broker: median {median:?}, max {:?}", round_trips.last());
-    assert!(median < Duration::from_millis(10), "median {median:?}: {round_trips:?}");
+    let stalled = round_trips.iter().filter(|t| **t >= Duration::from_millis(35)).count();
+    eprintln!(
+        "20 round trips through the embedded broker: median {median:?}, max {:?}, {stalled} stalled for a delayed ACK",
+        round_trips.last()
+    );
+    assert!(stalled <= 4, "{stalled} of 20 round trips waited for a delayed ACK: {round_trips:?}");
 }
