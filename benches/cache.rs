@@ -152,6 +152,93 @@ fn main() {
     fill(&rt, &warm, 0, n);
     let s = warm.stats();
     println!("memory bytes per entry: {:.0}", s.memory_bytes as f64 / s.memory_entries as f64);
+    drop(warm);
+
+    hit_ratios(&rt);
+}
+
+/// Hit ratio of the disk layer alone (no memory layer) on a skewed (Zipf,
+/// s = 1.1) and a uniform stream of lookups over 100,000 distinct inputs,
+/// each miss stored, with `cache.disk_bytes` from `HIT_RATIO_MIB` (a list,
+/// default "8"): the ratio over the second half of 200,000 lookups, and
+/// what the store's directory took on disk at the end, so that stores can
+/// be compared at equal disk bytes (issue 37).
+fn hit_ratios(rt: &tokio::runtime::Runtime) {
+    let mibs = std::env::var("HIT_RATIO_MIB").unwrap_or_else(|_| "8".into());
+    let (universe, lookups) = (100_000u64, 200_000u64);
+    // Zipf's cumulative weights, then a binary search per draw.
+    let weights: Vec<f64> = (1..=universe).map(|r| 1.0 / (r as f64).powf(1.1)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    let cdf: Vec<f64> = weights
+        .iter()
+        .map(|w| {
+            acc += w / total;
+            acc
+        })
+        .collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform01 = move || {
+        // splitmix64: a fixed stream, the same for every store compared.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let response = reply();
+    for mib in mibs.split(',').filter_map(|m| m.trim().parse::<u64>().ok()) {
+        for workload in ["zipf", "uniform"] {
+            let dir = tempfile::tempdir().unwrap();
+            let cache = Cache::open(CacheOptions { disk_bytes: mib << 20, ..options(dir.path(), 0) });
+            let (mut hits, mut counted) = (0u64, 0u64);
+            rt.block_on(async {
+                for i in 0..lookups {
+                    let u = uniform01();
+                    let k = match workload {
+                        "zipf" => cdf.partition_point(|c| *c < u) as u64,
+                        _ => (u * universe as f64) as u64,
+                    };
+                    let found = cache.lookup("digits", key(k), Duration::from_secs(3600)).await;
+                    let hit = matches!(found, Lookup::Hit(_));
+                    if let Lookup::Miss(ticket) = found {
+                        cache.store(Some(ticket), &response);
+                    }
+                    if i >= lookups / 2 {
+                        counted += 1;
+                        hits += hit as u64;
+                    }
+                    // The writer's queue drops what overflows it.
+                    if i % 1000 == 999 {
+                        cache.flush().await;
+                    }
+                }
+                cache.flush().await;
+            });
+            let on_disk = dir_bytes(dir.path());
+            println!(
+                "hit ratio, {workload}, cache.disk_bytes {mib} MiB: {:.1}% ({hits} of {counted}); directory {:.1} MiB",
+                hits as f64 * 100.0 / counted as f64,
+                on_disk as f64 / (1u64 << 20) as f64
+            );
+        }
+    }
+}
+
+/// Bytes of every file under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| match e.metadata() {
+                    Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+                    Ok(m) => m.len(),
+                    Err(_) => 0,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// Redis hits: no memory or disk layer, so every lookup is one round trip

@@ -1,4 +1,4 @@
-//! `edgeinfer cache stats|purge` and `edgeinfer models status|promote|rollback`:
+//! `edgeinfer cache stats|purge|check` and `edgeinfer models status|promote|rollback`:
 //! against the running node through its local HTTP endpoint (the cache
 //! store and the deployment state are locked while a node has them), or
 //! straight on the store and the state file when no node is running; the
@@ -6,7 +6,7 @@
 //! (`--via-mqtt`).
 
 use crate::config::Config;
-use crate::engine::cache::{Cache, CacheOptions, CacheStats, DiskError};
+use crate::engine::cache::{Cache, CacheOptions, CacheStats, CheckReport, DiskError};
 use crate::rollout::{Asker, Decision, Deployments, ModelReport, Plan, RolloutError};
 use crate::transport::mqtt::{AskError, ControlAsk, ControlCommand};
 use std::path::PathBuf;
@@ -24,6 +24,10 @@ pub enum AdminError {
     Http { url: String, reason: String },
     #[error("the cache store: {0}")]
     Store(String),
+    #[error(
+        "the cache store {0} is held by a running node: stop it first (systemctl stop edgeinfer), then check again"
+    )]
+    Held(PathBuf),
     #[error(transparent)]
     Rollout(#[from] RolloutError),
     #[error("node.models_dir {path}: {reason}")]
@@ -105,6 +109,17 @@ pub async fn cache_purge(
     let cache = open_store(config, base.as_deref(), no_node).await?;
     let n = cache.purge(model).await.map_err(|e| AdminError::Store(e.to_string()))?;
     Ok((n, Source::Store(config.node.state_dir.join("cache"))))
+}
+
+/// Reads the stopped node's disk store whole (`edgeinfer cache check`);
+/// `repair` rebuilds its index from the segments first.
+pub fn cache_check(config: &Config, repair: bool) -> Result<(CheckReport, PathBuf), AdminError> {
+    let options = CacheOptions::from_config(config);
+    match Cache::check_store(&options, repair) {
+        Ok(report) => Ok((report, options.dir)),
+        Err(DiskError::Locked(_)) => Err(AdminError::Held(options.dir)),
+        Err(e) => Err(AdminError::Store(e.to_string())),
+    }
 }
 
 /// A change to a model's deployment.

@@ -1,4 +1,5 @@
-//! `edgeinfer cache stats|purge`: through the running node, or the store itself.
+//! `edgeinfer cache stats|purge`: through the running node, or the store
+//! itself; `edgeinfer cache check`: the store itself, with the node stopped.
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -27,6 +28,20 @@ pub enum CacheCommand {
         #[arg(long)]
         url: Option<String>,
     },
+    /// Read the disk store whole, with the node stopped: every segment's
+    /// records and every index entry against its record. Exits 1 when the
+    /// index and the segments disagree (entries whose record is missing or
+    /// damaged, or a count that is off); `--repair` rebuilds the index
+    /// from the segments first (after a lost or damaged index, or a disk
+    /// that was restored from a backup).
+    Check {
+        /// Rebuild the index from the segments, then check.
+        #[arg(long)]
+        repair: bool,
+        /// Print the findings as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(config: &Config, command: CacheCommand) -> Result<i32> {
@@ -34,6 +49,7 @@ pub fn run(config: &Config, command: CacheCommand) -> Result<i32> {
     rt.block_on(async {
         match command {
             CacheCommand::Stats { url, json } => stats(config, url, json).await,
+            CacheCommand::Check { repair, json } => check(config, repair, json),
             CacheCommand::Purge { model, url } => {
                 let (n, source) =
                     edgeinfer::admin::cache_purge(config, url.as_deref(), model.as_deref()).await?;
@@ -79,4 +95,27 @@ async fn stats(config: &Config, url: Option<String>, json: bool) -> Result<i32> 
         None => println!("  disk:   off"),
     }
     Ok(0)
+}
+
+fn check(config: &Config, repair: bool, json: bool) -> Result<i32> {
+    let (r, path) = edgeinfer::admin::cache_check(config, repair)?;
+    let sound = r.dangling == 0 && r.damaged_segments == 0 && r.counted == r.entries;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!("cache store {}", path.display());
+        if repair {
+            println!("  repaired: the index was rebuilt from the segments ({} entries)", r.reindexed);
+        }
+        println!(
+            "  segments: {} ({} without a valid header, {} with a torn tail), {} records that check",
+            r.segments, r.damaged_segments, r.torn_tails, r.records
+        );
+        println!(
+            "  index:    {} entries ({} counted), {} pointing at a missing or damaged record",
+            r.entries, r.counted, r.dangling
+        );
+        println!("  {}", if sound { "sound" } else { "NOT sound: run `edgeinfer cache check --repair`" });
+    }
+    Ok(if sound { 0 } else { 1 })
 }

@@ -1,18 +1,18 @@
 //! Stage between preprocess and batch: answers already known.
 //!
-//! A memory layer (hot entries, bounded by bytes) over a disk layer (sled in
-//! `node.state_dir/cache`, bounded by bytes, surviving restarts). A disk hit
+//! A memory layer (hot entries, bounded by bytes) over a disk layer (a value
+//! log indexed by sled in `node.state_dir/cache`, bounded by bytes,
+//! surviving restarts). A disk hit
 //! is promoted to memory. Identical concurrent misses run the model once.
 //! Only successful answers are stored, and only for models with a TTL.
 
 mod disk;
 mod key;
 mod memory;
-mod record;
 mod redis;
 mod signed;
 
-pub use disk::{DiskError, DiskStats};
+pub use disk::{CheckReport, DiskError, DiskStats};
 pub use key::Key;
 pub use redis::{RedisError, RedisOptions};
 
@@ -175,6 +175,13 @@ impl Cache {
 
     pub fn off() -> Cache {
         Cache::open(CacheOptions::off())
+    }
+
+    /// Reads every segment and index entry of the disk store `options`
+    /// name (no node may hold it); `repair` rebuilds the index from the
+    /// segments first (`edgeinfer cache check`).
+    pub fn check_store(options: &CacheOptions, repair: bool) -> Result<CheckReport, DiskError> {
+        disk::check(&options.dir, options.disk_bytes.max(1), options.disk_page_cache_bytes, repair)
     }
 
     /// Why the disk layer asked for could not be opened.

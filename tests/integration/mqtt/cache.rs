@@ -194,24 +194,35 @@ async fn kill_9_during_a_write_storm_reopens_cleanly_and_every_answer_is_right()
     assert!(checked > 0, "nothing survived on disk, so nothing was checked");
 }
 
+/// Issue 37: the answers live in the value log's segments, so a damaged
+/// index is moved aside (kept for inspection) and rebuilt from them: the
+/// answers stored before survive it. A store of the format before the
+/// value log (sled files in `cache/` itself) is removed.
 #[test]
 fn a_damaged_store_is_moved_aside_and_the_node_serves() {
     let state = tempfile::tempdir().unwrap();
     let store = state.path().join("cache");
-    std::fs::create_dir_all(&store).unwrap();
-    std::fs::write(store.join("conf"), b"segment_size: banana\n\x00\xff garbage").unwrap();
-    std::fs::write(store.join("db"), vec![0xa5u8; 4096]).unwrap();
     let env = [state_env(state.path())];
-    let (node, mqtt, port) = start("gw-c7", &env);
     let req = request("q", 1, 0, json!({}));
-    assert_eq!(cache_of(&infer_digits(port, &req)), "miss");
-    assert_eq!(cache_of(&infer_digits(port, &req)), "memory");
-    let aside: Vec<_> = std::fs::read_dir(state.path())
+    let (mut node, _, port) = start("gw-c7", &env);
+    let first = infer_digits(port, &req);
+    assert_eq!(cache_of(&first), "miss");
+    assert!(node.terminate().success());
+    std::fs::write(store.join("index/conf"), b"segment_size: banana\n\x00\xff garbage").unwrap();
+    std::fs::write(store.join("index/db"), vec![0xa5u8; 4096]).unwrap();
+    std::fs::write(store.join("conf"), b"the store of an earlier version").unwrap();
+    std::fs::write(store.join("db"), vec![0x5au8; 4096]).unwrap();
+    let (node, mqtt, port) = start("gw-c7", &env);
+    let again = infer_digits(port, &req);
+    assert_eq!(cache_of(&again), "disk", "the answer survived the damaged index: {again}");
+    assert_eq!(again["outputs"], first["outputs"]);
+    let aside: Vec<_> = std::fs::read_dir(&store)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("cache.quarantined-"))
+        .filter(|n| n.starts_with("index.quarantined-"))
         .collect();
-    assert_eq!(aside.len(), 1, "the damaged store is kept aside for inspection");
+    assert_eq!(aside.len(), 1, "the damaged index is kept aside for inspection");
+    assert!(!store.join("conf").exists() && !store.join("db").exists(), "the old-format store is gone");
     assert!(node.log.lock().unwrap().iter().any(|l| l.contains("ERROR") && l.contains("moved it aside")));
     let m = scrape(port);
     assert_eq!(sample(&m, &["edgeinfer_cache_quarantined_stores_total"]), 1.0);

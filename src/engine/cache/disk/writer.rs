@@ -1,0 +1,236 @@
+//! The one owner of every write to the disk layer: a thread that drains
+//! its queue in groups (each group one append and one index batch), flushes
+//! a while after the first unflushed write, sweeps expired segments, and
+//! reopens the store after an error until a probe write succeeds.
+
+use super::store::{Store, StoreError};
+use super::{Op, Shared, WRITE_FAILED};
+use crate::telemetry;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+/// Probes of a layer turned off by an error: the first after this, then
+/// twice as long each time, up to `PROBE_MAX`.
+const PROBE_FIRST: Duration = Duration::from_secs(1);
+const PROBE_MAX: Duration = Duration::from_secs(30);
+/// How long a write may wait before the writer puts it on disk for good
+/// (the segment synced, the index flushed): what a crash can lose.
+const FLUSH_AFTER: Duration = Duration::from_millis(500);
+/// Most ops taken into one group before it is written.
+const GROUP: usize = 1024;
+
+pub(super) struct Writer {
+    /// `None` while the layer is off after an error.
+    store: Option<Store>,
+    path: PathBuf,
+    page_cache_bytes: u64,
+    capacity: u64,
+    shared: Arc<Shared>,
+}
+
+impl Writer {
+    pub fn new(
+        store: Store,
+        path: &Path,
+        page_cache_bytes: u64,
+        capacity: u64,
+        shared: Arc<Shared>,
+    ) -> Writer {
+        Writer { store: Some(store), path: path.to_path_buf(), page_cache_bytes, capacity, shared }
+    }
+
+    pub fn run(mut self, rx: Receiver<Op>, sweep: Duration) {
+        let mut next_sweep = Instant::now() + sweep;
+        let mut probe = Probe::default();
+        // When the oldest write not yet flushed is due on disk.
+        let mut flush_due: Option<Instant> = None;
+        loop {
+            let wake = probe.due(self.live()).map_or(next_sweep, |at| at.min(next_sweep));
+            let wake = flush_due.map_or(wake, |at| at.min(wake));
+            let first = match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
+                Ok(op) => op,
+                Err(RecvTimeoutError::Timeout) if flush_due.is_some_and(|at| at <= Instant::now()) => {
+                    flush_due = None;
+                    self.guard("flushing", Store::flush);
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout)
+                    if probe.due(self.live()).is_some_and(|at| at <= Instant::now()) =>
+                {
+                    match self.reopen() {
+                        Ok(()) => probe = Probe::default(),
+                        Err(e) => {
+                            tracing::debug!("disk cache probe: {e}");
+                            probe.failed();
+                        }
+                    }
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    next_sweep = Instant::now() + sweep;
+                    self.guard("dropping expired segments", |s| s.sweep(crate::telemetry::unix_now_ms()));
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    if let Some(store) = &mut self.store {
+                        let _ = store.flush();
+                    }
+                    return;
+                }
+            };
+            // The op and whatever else is queued: one group, one write.
+            let mut next = Some(first);
+            let mut taken = 0;
+            while let Some(op) = next.take() {
+                if matches!(op, Op::Put { .. } | Op::Remove { .. }) && flush_due.is_none() {
+                    flush_due = Some(Instant::now() + FLUSH_AFTER);
+                }
+                self.apply(op);
+                taken += 1;
+                if taken < GROUP {
+                    next = rx.try_recv().ok();
+                }
+            }
+            self.guard("writing answers", Store::commit);
+        }
+    }
+
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Put { model, key, stored_at_ms, expires_at_ms, body } => {
+                self.guard("writing an answer", |s| s.put(&model, &key, stored_at_ms, expires_at_ms, &body))
+            }
+            Op::Remove { model, key, at } => self.guard("removing an entry", |s| s.remove(&model, &key, at)),
+            Op::Purge { model, done } => {
+                let result = match self.store.as_mut().filter(|_| self.shared.enabled.load(Ordering::Relaxed))
+                {
+                    Some(store) => {
+                        store.purge(model.as_deref()).map_err(|e| super::DiskError::Store(e.to_string()))
+                    }
+                    None => Err(super::DiskError::Store("the disk cache is disabled".into())),
+                };
+                self.shared.generation.fetch_add(1, Ordering::Relaxed);
+                self.publish();
+                let _ = done.send(result);
+            }
+            Op::Flush(done) => {
+                self.guard("flushing", Store::flush);
+                let _ = done.send(());
+            }
+            Op::Wake => {}
+        }
+    }
+
+    fn live(&self) -> bool {
+        self.shared.enabled.load(Ordering::Relaxed)
+    }
+
+    /// After an error: opens the store again (a new segment, the index
+    /// checked) and turns the layer back on once a probe write reaches the
+    /// disk.
+    fn reopen(&mut self) -> Result<(), String> {
+        self.store = None;
+        self.shared.set_index(None);
+        // The reader may still hold the index a moment: sled's file lock
+        // goes with the last handle.
+        let mut attempts = 0;
+        let (store, _) = loop {
+            match Store::open(&self.path, self.capacity, self.page_cache_bytes) {
+                Ok(opened) => break opened,
+                Err(super::DiskError::Locked(_)) if attempts < 40 => {
+                    attempts += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        };
+        probe_write(&self.path).map_err(|e| format!("probe write: {e}"))?;
+        self.shared.set_index(Some(store.index_tree()));
+        self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
+        self.store = Some(store);
+        self.shared.set_problem(None);
+        self.shared.enabled.store(true, Ordering::SeqCst);
+        metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
+        tracing::info!("disk cache re-enabled: {} is writable again", self.path.display());
+        self.publish();
+        Ok(())
+    }
+
+    /// Runs a write; an error (a full disk, a failing card) turns the layer
+    /// off instead of failing requests, and lets go of the store: the
+    /// probe opens it afresh.
+    fn guard(&mut self, what: &str, f: impl FnOnce(&mut Store) -> Result<(), StoreError>) {
+        if !self.live() {
+            return;
+        }
+        let Some(store) = self.store.as_mut() else { return };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(store))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.fail(format!("{what}: {e}")),
+            Err(_) => self.fail(format!("{what}: the store panicked")),
+        }
+        self.publish();
+    }
+
+    fn fail(&mut self, detail: String) {
+        self.shared.disable(WRITE_FAILED, detail);
+        self.shared.set_index(None);
+        self.store = None;
+    }
+
+    fn publish(&self) {
+        let Some(store) = &self.store else { return };
+        let (entries, bytes) = (store.entries(), store.bytes());
+        self.shared.entries.store(entries, Ordering::Relaxed);
+        self.shared.bytes.store(bytes, Ordering::Relaxed);
+        self.shared.size_on_disk.store(store.size_on_disk(), Ordering::Relaxed);
+        self.shared.active.store(store.active_id(), Ordering::Relaxed);
+        self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
+        metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "disk").set(entries as f64);
+        metrics::gauge!(telemetry::CACHE_BYTES, "layer" => "disk").set(bytes as f64);
+    }
+}
+
+/// A page written and synced beside the store, then removed: the disk
+/// takes writes again.
+fn probe_write(dir: &Path) -> std::io::Result<()> {
+    use std::io::Write;
+    let path = dir.join("probe");
+    let result = std::fs::File::create(&path).and_then(|mut f| {
+        f.write_all(&[0u8; 4096])?;
+        f.sync_data()
+    });
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+/// When the writer next tries to reopen a store turned off by an error.
+struct Probe {
+    wait: Duration,
+    at: Option<Instant>,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        Probe { wait: PROBE_FIRST, at: None }
+    }
+}
+
+impl Probe {
+    /// The next probe while the layer is off (scheduled on first ask).
+    fn due(&mut self, live: bool) -> Option<Instant> {
+        if live {
+            return None;
+        }
+        Some(*self.at.get_or_insert_with(|| Instant::now() + self.wait))
+    }
+
+    fn failed(&mut self) {
+        self.wait = (self.wait * 2).min(PROBE_MAX);
+        self.at = Some(Instant::now() + self.wait);
+    }
+}
