@@ -4,7 +4,10 @@
 # config, through one mosquitto. Prints a row per minute: replies, errors,
 # unanswered, p50 / p99 / p99.9 / max round trip, the node's resident memory
 # (now and peak) and the size of its state directory; then the idle memory
-# after start and whether memory stayed flat. docs/BENCHMARKS.md.
+# after start and whether memory stayed flat; then the node is restarted on
+# the state directory the soak filled: its memory 10 s later, and how long
+# it took to be ready.
+# docs/BENCHMARKS.md.
 #
 #   benches/soak.sh [BINARY] [MINUTES] [RATE]
 #   (defaults: target/release/edgeinfer, 5 minutes, 2000 req/s over 2 connections)
@@ -19,9 +22,13 @@ bin=${1:-target/release/edgeinfer} minutes=${2:-5} rate=${3:-2000}
 client=${CLIENT:-$bin}
 source benches/mosquitto.sh
 state="$work/state"
-EDGEINFER_NODE__ID=soak EDGEINFER_NODE__STATE_DIR="$state" EDGEINFER_MQTT__URL=$url \
-  EDGEINFER_HTTP__LISTEN= EDGEINFER_LOG=warn "$bin" serve --models-dir models 2>"$work/node.log" &
-node=$!
+start() {
+  EDGEINFER_NODE__ID=soak EDGEINFER_NODE__STATE_DIR="$state" EDGEINFER_MQTT__URL=$url EDGEINFER_HTTP__LISTEN= \
+    EDGEINFER_LOG=warn,edgeinfer::node=info \
+    "$bin" serve --models-dir models 2>"$work/node.log" &
+  node=$!
+}
+start
 sleep 3
 kib() { awk -v k="$1" '$1 == k":" {print $2}' "/proc/$node/status"; }
 idle=$(kib VmRSS)
@@ -55,3 +62,9 @@ drift = (rss[-1] - rss[0]) / rss[0] * 100
 print(f"errors {errors}; worst p99.9 {worst:.2f} ms; RSS at the end {rss[-1]:.1f} MiB, "
       f"{drift:+.1f}% against the first minute ({rss[0]:.1f} MiB)")
 PY
+kill "$node" && wait "$node" || true
+start
+sleep 10
+echo "restarted on the full state dir ($(du -sb "$state" | awk '{printf "%.1f MiB", $1 / 2^20}')): RSS $(($(kib VmRSS) / 1024)) MiB 10 s later;" \
+  $(grep -ho "ready [0-9.]* ms after start" "$work/node.log" | paste -sd ';' -)
+kill "$node" && wait "$node" || true

@@ -231,7 +231,8 @@ impl Default for TelemetryConfig {
     }
 }
 
-/// The response cache: a memory layer over a sled store in `node.state_dir`.
+/// The response cache: a memory layer over a value log indexed by sled in
+/// `node.state_dir/cache`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
@@ -239,16 +240,17 @@ pub struct CacheConfig {
     pub enabled: bool,
     /// Bytes the memory layer may hold; 0 turns it off.
     pub memory_bytes: u64,
-    /// Bytes of entries the disk layer may hold before the oldest go; 0 turns it off.
+    /// Bytes the disk layer's segments (and 96 an entry for its index) may
+    /// take before the oldest segment goes; 0 turns it off.
     pub disk_bytes: u64,
     /// How long an answer stays valid, unless the model sets `models.NAME.cache_ttl_s`.
     pub ttl_s: u64,
-    /// How often expired disk entries are removed.
+    /// How often segments whose answers have all expired are removed.
     pub sweep_interval_s: u64,
     /// The longest a request waits for a disk read before it counts a miss
     /// and runs the model (a slow disk costs a miss, never a stall).
     pub disk_read_timeout_ms: u64,
-    /// sled's own page cache for the disk layer, in bytes.
+    /// sled's own page cache for the disk layer's index, in bytes.
     pub disk_page_cache_bytes: u64,
     /// The shared layer below memory and disk.
     pub redis: RedisConfig,

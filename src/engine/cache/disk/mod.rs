@@ -85,6 +85,8 @@ struct Shared {
     /// Changes whenever model ids may have (a purge, a repair, a reopen):
     /// the reader forgets the ids it kept.
     generation: AtomicU64,
+    /// Times the writer built the index again because its files outgrew it.
+    index_rebuilds: AtomicU64,
     problem: Mutex<Option<Problem>>,
     /// The index; `None` while the layer is off or reopening.
     index: RwLock<Option<sled::Tree>>,
@@ -248,6 +250,7 @@ impl Disk {
             min_live: AtomicU64::new(store.min_live()),
             active: AtomicU64::new(store.active_id()),
             generation: AtomicU64::new(0),
+            index_rebuilds: AtomicU64::new(0),
             problem: Mutex::new(problem),
             index: RwLock::new(Some(store.index_tree())),
         });

@@ -287,6 +287,20 @@ impl Store {
         (*self.db).clone()
     }
 
+    /// What sled's files take.
+    pub fn index_bytes(&self) -> u64 {
+        self.db.size_on_disk().unwrap_or(0)
+    }
+
+    /// The index's files outgrew the segments it indexes (and a floor:
+    /// sled's own for a fresh store is a few of its 512 KiB segments, and
+    /// `at_least`, twice what the last rebuild left): time to build it
+    /// again from them.
+    pub fn index_outgrown(&self, at_least: u64) -> bool {
+        let floor = (self.capacity / 16).clamp(2 << 20, 16 << 20);
+        self.index_bytes() > self.log_bytes.max(floor).max(at_least)
+    }
+
     /// What the files take: the segments and sled's.
     pub fn size_on_disk(&self) -> u64 {
         self.log_bytes + self.db.size_on_disk().unwrap_or(0)

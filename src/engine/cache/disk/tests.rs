@@ -340,3 +340,30 @@ fn the_directory_stays_within_the_bound_plus_one_segment_under_churn() {
     assert!(stats.bytes <= capacity && stats.entries > 0, "{stats:?}");
     assert_eq!(hit(&disk, "m", 19_999), Some(big(19_999)), "the newest entry survived");
 }
+
+/// sled reclaims replaced entries' space lazily: under churn the index's
+/// files would outgrow the segments many times over. The writer builds it
+/// again from the segments once they do, and the answers stay served.
+#[test]
+fn an_index_whose_files_outgrow_the_segments_is_built_again_from_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let capacity = 4 << 20;
+    let disk = Disk::open(&dir.path().join("cache"), options(capacity, Duration::from_secs(3600))).unwrap();
+    let mut peak = 0;
+    for i in 0..120_000 {
+        disk.put("m", key(i), 10, u64::MAX, body(i));
+        if i % 2000 == 1999 {
+            rt().block_on(disk.flush());
+            // The rebuild runs on the writer's flush timer.
+            std::thread::sleep(Duration::from_millis(600));
+            rt().block_on(disk.flush());
+            peak = peak.max(disk.stats().size_on_disk);
+        }
+    }
+    let rebuilds = disk.shared.index_rebuilds.load(Ordering::Relaxed);
+    let stats = disk.stats();
+    eprintln!("{rebuilds} index rebuilds; files at most {peak} bytes; {stats:?}");
+    assert!(rebuilds >= 1, "the index was never rebuilt");
+    assert!(peak <= 4 * capacity, "the files took {peak} bytes for a {capacity}-byte bound");
+    assert_eq!(hit(&disk, "m", 119_999), Some(body(119_999)));
+}

@@ -30,6 +30,8 @@ pub(super) struct Writer {
     page_cache_bytes: u64,
     capacity: u64,
     shared: Arc<Shared>,
+    /// What the index's files took after its last rebuild.
+    rebuilt_index_bytes: u64,
 }
 
 impl Writer {
@@ -40,7 +42,14 @@ impl Writer {
         capacity: u64,
         shared: Arc<Shared>,
     ) -> Writer {
-        Writer { store: Some(store), path: path.to_path_buf(), page_cache_bytes, capacity, shared }
+        Writer {
+            store: Some(store),
+            path: path.to_path_buf(),
+            page_cache_bytes,
+            capacity,
+            shared,
+            rebuilt_index_bytes: 0,
+        }
     }
 
     pub fn run(mut self, rx: Receiver<Op>, sweep: Duration) {
@@ -56,6 +65,9 @@ impl Writer {
                 Err(RecvTimeoutError::Timeout) if flush_due.is_some_and(|at| at <= Instant::now()) => {
                     flush_due = None;
                     self.guard("flushing", Store::flush);
+                    if self.store.as_ref().is_some_and(|s| s.index_outgrown(2 * self.rebuilt_index_bytes)) {
+                        self.rebuild_index();
+                    }
                     continue;
                 }
                 Err(RecvTimeoutError::Timeout)
@@ -135,29 +147,68 @@ impl Writer {
     fn reopen(&mut self) -> Result<(), String> {
         self.store = None;
         self.shared.set_index(None);
-        // The reader may still hold the index a moment: sled's file lock
-        // goes with the last handle.
-        let mut attempts = 0;
-        let (store, _) = loop {
-            match Store::open(&self.path, self.capacity, self.page_cache_bytes) {
-                Ok(opened) => break opened,
-                Err(super::DiskError::Locked(_)) if attempts < 40 => {
-                    attempts += 1;
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        };
+        let store = self.open_store()?;
         probe_write(&self.path).map_err(|e| format!("probe write: {e}"))?;
-        self.shared.set_index(Some(store.index_tree()));
-        self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
-        self.store = Some(store);
+        self.install(store);
         self.shared.set_problem(None);
         self.shared.enabled.store(true, Ordering::SeqCst);
         metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
         tracing::info!("disk cache re-enabled: {} is writable again", self.path.display());
         self.publish();
         Ok(())
+    }
+
+    /// Opens the store, waiting for a reader that may still hold the index
+    /// a moment (sled's file lock goes with the last handle).
+    fn open_store(&self) -> Result<Store, String> {
+        let mut attempts = 0;
+        loop {
+            match Store::open(&self.path, self.capacity, self.page_cache_bytes) {
+                Ok((store, _)) => return Ok(store),
+                Err(super::DiskError::Locked(_)) if attempts < 40 => {
+                    attempts += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    fn install(&mut self, store: Store) {
+        self.shared.set_index(Some(store.index_tree()));
+        self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
+        self.store = Some(store);
+        self.publish();
+    }
+
+    /// sled reclaims the space of replaced entries lazily, so under churn
+    /// the index's files grow far past what it holds: past the segments'
+    /// own size the index is dropped and built again from the segments
+    /// (reads miss and writes wait meanwhile), as after a lost index.
+    fn rebuild_index(&mut self) {
+        let before = self.store.as_ref().map_or(0, Store::index_bytes);
+        let started = Instant::now();
+        self.store = None;
+        self.shared.set_index(None);
+        // A read in flight lets go of the index.
+        std::thread::sleep(Duration::from_millis(100));
+        if let Err(e) = std::fs::remove_dir_all(self.path.join("index")) {
+            return self.fail(format!("rebuilding the index: {e}"));
+        }
+        match self.open_store() {
+            Ok(store) => {
+                let after = store.index_bytes();
+                tracing::info!(
+                    "disk cache index rebuilt from the segments in {:?}: its files took {before} bytes, now {after}",
+                    started.elapsed()
+                );
+                metrics::counter!(telemetry::STORE_REBUILDS, "store" => "cache").increment(1);
+                self.shared.index_rebuilds.fetch_add(1, Ordering::Relaxed);
+                self.rebuilt_index_bytes = after;
+                self.install(store);
+            }
+            Err(e) => self.fail(format!("rebuilding the index: {e}")),
+        }
     }
 
     /// Runs a write; an error (a full disk, a failing card) turns the layer
