@@ -64,6 +64,8 @@ pub struct Store {
     models: HashMap<String, u32>,
     next_model: u32,
     min_live: u64,
+    /// The format and figures of a fresh index, written with its first batch.
+    meta_pending: bool,
 }
 
 /// A segment's size for a bound: 64 segments to the bound, so an eviction
@@ -155,15 +157,17 @@ impl Store {
             pending: Vec::new(),
             models,
             min_live,
+            meta_pending: false,
         };
         let from = match checkpoint {
             Some(at) if !fresh && !orphaned => at,
             // A new or lost index: every segment is read into it.
             _ => (0, 0),
         };
-        if fresh || orphaned {
-            store.write_meta()?;
-        }
+        // A fresh index gets its format with its first batch, not now: a
+        // write to sled wakes its I/O threads every second for good, and
+        // an idle node should not pay that (issue 43).
+        store.meta_pending = fresh || orphaned;
         let indexed = store.replay(from)?;
         if indexed > 0 {
             tracing::info!("disk cache: indexed {indexed} answers written after the last checkpoint");
@@ -174,12 +178,17 @@ impl Store {
     /// The format and the figures of an empty index.
     fn write_meta(&mut self) -> Result<(), StoreError> {
         let mut batch = sled::Batch::default();
+        self.meta(&mut batch);
+        self.db.apply_batch(batch)?;
+        Ok(())
+    }
+
+    fn meta(&mut self, batch: &mut sled::Batch) {
         batch.insert(index::FORMAT, &index::FORMAT_VERSION.to_be_bytes()[..]);
         batch.insert(index::NEXT_MODEL, &self.next_model.to_be_bytes()[..]);
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         batch.insert(index::MIN_LIVE, &self.min_live.to_be_bytes()[..]);
-        self.db.apply_batch(batch)?;
-        Ok(())
+        self.meta_pending = false;
     }
 
     /// Indexes the records after `from` (segment, offset) in the segments
@@ -212,7 +221,9 @@ impl Store {
                     Location { segment: id, offset: offset as u32, len, expires_at_ms: record.expires_at_ms };
                 found.push((index::entry_key(model_id, &record.key), at));
             }
-            indexed += self.index(&found, (id, end), true)?;
+            if !found.is_empty() || end > start.max(vlog::HEADER_LEN) {
+                indexed += self.index(&found, (id, end), true)?;
+            }
         }
         Ok(indexed)
     }
@@ -227,6 +238,9 @@ impl Store {
         newer_only: bool,
     ) -> Result<u64, StoreError> {
         let mut batch = sled::Batch::default();
+        if self.meta_pending {
+            self.meta(&mut batch);
+        }
         let mut written: HashMap<EntryKey, Location> = HashMap::new();
         for (k, at) in items {
             let current = match written.get(k) {
