@@ -35,6 +35,19 @@ fn hit(disk: &Disk, model: &str, i: u32) -> Option<Vec<u8>> {
     }
 }
 
+/// A store in `dir` holding answers 0..n of model `m`, written, on disk
+/// and let go of; what its handle last said of it.
+fn filled(dir: &Path, capacity: u64, n: u32) -> DiskStats {
+    let disk = open(dir, capacity);
+    for i in 0..n {
+        disk.put("m", key(i), 10, u64::MAX, body(i));
+    }
+    rt().block_on(disk.flush());
+    let stats = disk.stats();
+    closed(disk);
+    stats
+}
+
 /// Waits until the handle's threads let go of the store (its lock).
 fn closed(disk: Disk) {
     drop(disk);
@@ -177,12 +190,7 @@ fn counts_survive_a_reopen_and_purge_by_model_leaves_the_others() {
 #[test]
 fn a_torn_tail_keeps_the_records_before_it_and_new_writes_go_to_a_new_segment() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = open(dir.path(), 1 << 20);
-    for i in 0..3 {
-        disk.put("m", key(i), 10, u64::MAX, body(i));
-    }
-    rt().block_on(disk.flush());
-    closed(disk);
+    filled(dir.path(), 1 << 20, 3);
     let (id, len) = *segments(dir.path()).iter().find(|(_, len)| *len > vlog::HEADER_LEN).unwrap();
     let path = vlog::path(&dir.path().join("cache"), id);
     let whole = std::fs::read(&path).unwrap();
@@ -208,12 +216,7 @@ fn a_torn_tail_keeps_the_records_before_it_and_new_writes_go_to_a_new_segment() 
 #[test]
 fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = open(dir.path(), 1 << 20);
-    for i in 0..3 {
-        disk.put("m", key(i), 10, u64::MAX, body(i));
-    }
-    rt().block_on(disk.flush());
-    closed(disk);
+    filled(dir.path(), 1 << 20, 3);
     let mut store = store(dir.path(), 1 << 20);
     let tree = store.index_tree();
     let model_id = index::u32_of(tree.get(index::model_key("m")).unwrap()).unwrap();
@@ -238,10 +241,7 @@ fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
 #[test]
 fn records_written_after_the_checkpoint_are_indexed_at_the_next_open() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = open(dir.path(), 1 << 20);
-    disk.put("m", key(0), 10, u64::MAX, body(0));
-    rt().block_on(disk.flush());
-    closed(disk);
+    filled(dir.path(), 1 << 20, 1);
     // What the index held before the next two writes, then the writes.
     let mut store = store(dir.path(), 1 << 20);
     let tree = store.index_tree();
@@ -268,13 +268,7 @@ fn records_written_after_the_checkpoint_are_indexed_at_the_next_open() {
 fn an_unfinished_eviction_and_a_lost_index_are_finished_and_rebuilt_at_open() {
     let dir = tempfile::tempdir().unwrap();
     let capacity = 16 * 1024;
-    let disk = open(dir.path(), capacity);
-    for i in 0..300 {
-        disk.put("m", key(i), 10, u64::MAX, body(i));
-    }
-    rt().block_on(disk.flush());
-    let entries = disk.stats().entries;
-    closed(disk);
+    let entries = filled(dir.path(), capacity, 300).entries;
     let cache = dir.path().join("cache");
     let oldest = segments(dir.path())[0].0;
     assert!(oldest > 1, "the bound evicted segments");
@@ -292,12 +286,7 @@ fn an_unfinished_eviction_and_a_lost_index_are_finished_and_rebuilt_at_open() {
 #[test]
 fn a_damaged_index_is_moved_aside_and_rebuilt_and_cache_check_repairs_a_count() {
     let dir = tempfile::tempdir().unwrap();
-    let disk = open(dir.path(), 1 << 20);
-    for i in 0..20 {
-        disk.put("m", key(i), 10, u64::MAX, body(i));
-    }
-    rt().block_on(disk.flush());
-    closed(disk);
+    filled(dir.path(), 1 << 20, 20);
     let index_dir = dir.path().join("cache/index");
     std::fs::write(index_dir.join("conf"), b"segment_size: banana\n\x00\xff garbage").unwrap();
     std::fs::write(index_dir.join("db"), vec![0xa5u8; 4096]).unwrap();
