@@ -1,4 +1,5 @@
-//! sled stores on disk (the cache's disk layer and the cloud spool): sled
+//! sled stores on disk (the cloud spool; the cache's disk layer rebuilds its
+//! index from its own segments instead, `engine/cache/disk`): sled
 //! reclaims the space of removed records lazily, so under churn its files
 //! grow to several times what it holds. A store whose files outgrow their
 //! bound is rebuilt: its live records copied into a fresh store beside it,

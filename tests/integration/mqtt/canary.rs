@@ -4,7 +4,7 @@
 
 use super::rollout::models_command;
 use super::support::{
-    Client, Mosquitto, Node, admin_get_json, admin_http, admin_token_env, copy_digits_version,
+    Client, Mosquitto, Node, PacedLoad, admin_get_json, admin_http, admin_token_env, copy_digits_version,
     copy_test_version, get_json, http_with, node_with_http, sample, scrape,
 };
 use crate::{digits_request, heldout};
@@ -107,7 +107,9 @@ impl Fleet {
         let (sent_at, replies, decisions) = (Vec::new(), HashMap::new(), Vec::new());
         Fleet { devices, events, topic, tag, sent_at, replies, decisions, deadline: None }
     }
+}
 
+impl PacedLoad for Fleet {
     async fn send(&mut self) {
         let i = self.sent_at.len();
         let split = heldout();
@@ -130,21 +132,9 @@ impl Fleet {
             self.decisions.push((Instant::now(), serde_json::from_slice(&p.payload).unwrap()));
         }
     }
+}
 
-    /// Steady load, a request every 4 ms, until `done` or `limit` (false).
-    async fn load_until(&mut self, limit: Duration, mut done: impl FnMut(&Fleet) -> bool) -> bool {
-        let started = Instant::now();
-        while started.elapsed() < limit {
-            self.send().await;
-            tokio::time::sleep(Duration::from_millis(4)).await;
-            self.take();
-            if done(self) {
-                return true;
-            }
-        }
-        false
-    }
-
+impl Fleet {
     fn decided(&self, action: &str) -> Option<&(Instant, Value)> {
         self.decisions.iter().find(|(_, d)| d["action"] == action)
     }

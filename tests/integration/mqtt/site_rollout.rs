@@ -8,7 +8,7 @@
 
 use super::rollout::models_command;
 use super::support::{
-    Client, Mosquitto, Node, copy_digits_version, copy_test_version, http_with, node_with_http,
+    Client, Mosquitto, Node, PacedLoad, copy_digits_version, copy_test_version, http_with, node_with_http,
 };
 use crate::{digits_request, heldout};
 use serde_json::Value;
@@ -72,7 +72,7 @@ struct Devices {
     decisions: Vec<(Instant, Value)>,
 }
 
-impl Devices {
+impl PacedLoad for Devices {
     async fn send(&mut self) {
         let i = self.sent_at.len();
         let split = heldout();
@@ -93,21 +93,9 @@ impl Devices {
             self.decisions.push((Instant::now(), serde_json::from_slice(&p.payload).unwrap()));
         }
     }
+}
 
-    /// A request every 4 ms until `done` or `limit` (false).
-    async fn load_until(&mut self, limit: Duration, mut done: impl FnMut(&Devices) -> bool) -> bool {
-        let started = Instant::now();
-        while started.elapsed() < limit {
-            self.send().await;
-            tokio::time::sleep(Duration::from_millis(4)).await;
-            self.take();
-            if done(self) {
-                return true;
-            }
-        }
-        false
-    }
-
+impl Devices {
     fn actions(&self) -> Vec<String> {
         self.decisions.iter().map(|(_, d)| d["action"].as_str().unwrap().to_string()).collect()
     }

@@ -483,3 +483,26 @@ pub fn copy_test_version(models: &std::path::Path, candidate: &str, version: &st
     )
     .unwrap();
 }
+
+/// Devices under steady load while a test waits for something to happen
+/// (a rollout step, a judgement): a request every 4 ms, then whatever came
+/// back, until `done` or `limit` (false).
+pub(crate) trait PacedLoad {
+    /// One request.
+    async fn send(&mut self);
+    /// Whatever arrived since the last look.
+    fn take(&mut self);
+
+    async fn load_until(&mut self, limit: Duration, mut done: impl FnMut(&Self) -> bool) -> bool {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            self.send().await;
+            tokio::time::sleep(Duration::from_millis(4)).await;
+            self.take();
+            if done(self) {
+                return true;
+            }
+        }
+        false
+    }
+}

@@ -28,6 +28,8 @@ pub(super) struct Reader {
     /// Model ids as the index has them, until `generation` changes.
     models: HashMap<String, u32>,
     generation: u64,
+    /// The watermark `files` was last pruned at.
+    min_live: u64,
 }
 
 /// A hit on a segment this close to the eviction end (a quarter of the
@@ -44,6 +46,7 @@ impl Reader {
             files: HashMap::new(),
             models: HashMap::new(),
             generation: u64::MAX,
+            min_live: 0,
         }
     }
 
@@ -65,7 +68,10 @@ impl Reader {
             (self.models, self.generation) = (HashMap::new(), generation);
         }
         let min_live = self.shared.min_live.load(Ordering::Relaxed);
-        self.files.retain(|id, _| *id >= min_live);
+        if min_live != self.min_live {
+            self.files.retain(|id, _| *id >= min_live);
+            self.min_live = min_live;
+        }
         let found = std::panic::catch_unwind(AssertUnwindSafe(|| self.locate(&tree, model, key)));
         let at = match found {
             Ok(Ok(Some(at))) => at,

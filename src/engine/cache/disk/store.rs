@@ -86,7 +86,6 @@ impl Store {
             .map_err(|e| DiskError::Create { path: dir.into(), reason: e.to_string() })?;
         remove_old_format(dir);
         let index_path = dir.join("index");
-        crate::store::recover(&index_path);
         let mut quarantined = None;
         let db = match open_index(&index_path, page_cache_bytes) {
             Ok(db) => db,
@@ -317,7 +316,7 @@ impl Store {
 
     /// What the files take: the segments and sled's.
     pub fn size_on_disk(&self) -> u64 {
-        self.log_bytes + self.db.size_on_disk().unwrap_or(0)
+        self.log_bytes + self.index_bytes()
     }
 
     fn active_bytes(&self) -> u64 {

@@ -64,7 +64,7 @@ impl Writer {
                 Ok(op) => op,
                 Err(RecvTimeoutError::Timeout) if flush_due.is_some_and(|at| at <= Instant::now()) => {
                     flush_due = None;
-                    self.guard("flushing", Store::flush);
+                    self.flush();
                     if self.store.as_ref().is_some_and(|s| s.index_outgrown(2 * self.rebuilt_index_bytes)) {
                         self.rebuild_index();
                     }
@@ -130,10 +130,19 @@ impl Writer {
                 let _ = done.send(result);
             }
             Op::Flush(done) => {
-                self.guard("flushing", Store::flush);
+                self.flush();
                 let _ = done.send(());
             }
             Op::Wake => {}
+        }
+    }
+
+    /// Everything written on disk for good; the files' size is looked up
+    /// here, not after every group (a `stat` and a directory read).
+    fn flush(&mut self) {
+        self.guard("flushing", Store::flush);
+        if let Some(store) = &self.store {
+            self.shared.size_on_disk.store(store.size_on_disk(), Ordering::Relaxed);
         }
     }
 
@@ -177,6 +186,7 @@ impl Writer {
     fn install(&mut self, store: Store) {
         self.shared.set_index(Some(store.index_tree()));
         self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
+        self.shared.size_on_disk.store(store.size_on_disk(), Ordering::Relaxed);
         self.store = Some(store);
         self.publish();
     }
@@ -238,7 +248,6 @@ impl Writer {
         let (entries, bytes) = (store.entries(), store.bytes());
         self.shared.entries.store(entries, Ordering::Relaxed);
         self.shared.bytes.store(bytes, Ordering::Relaxed);
-        self.shared.size_on_disk.store(store.size_on_disk(), Ordering::Relaxed);
         self.shared.active.store(store.active_id(), Ordering::Relaxed);
         self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
         metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "disk").set(entries as f64);
