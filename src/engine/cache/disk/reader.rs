@@ -25,8 +25,10 @@ pub(super) struct Reader {
     ops: SyncSender<Op>,
     /// Open segments, by id; closed once evicted, so their space is freed.
     files: HashMap<u64, File>,
-    /// Model ids as the index has them, until `generation` changes.
+    /// Model ids and the bucket count as the index has them, until
+    /// `generation` changes.
     models: HashMap<String, u32>,
+    buckets: Option<u32>,
     generation: u64,
     /// The watermark `files` was last pruned at.
     min_live: u64,
@@ -45,6 +47,7 @@ impl Reader {
             ops,
             files: HashMap::new(),
             models: HashMap::new(),
+            buckets: None,
             generation: u64::MAX,
             min_live: 0,
         }
@@ -65,7 +68,7 @@ impl Reader {
         let Some(tree) = self.shared.index() else { return Read::Miss };
         let generation = self.shared.generation.load(Ordering::Relaxed);
         if generation != self.generation {
-            (self.models, self.generation) = (HashMap::new(), generation);
+            (self.models, self.buckets, self.generation) = (HashMap::new(), None, generation);
         }
         let min_live = self.shared.min_live.load(Ordering::Relaxed);
         if min_live != self.min_live {
@@ -81,9 +84,6 @@ impl Reader {
                 return self.failed(format!("reading the index in {}: sled panicked", self.path.display()));
             }
         };
-        if at.expires_at_ms <= now_ms {
-            return Read::Miss;
-        }
         if at.segment < min_live {
             return self.dangling(model, key, at);
         }
@@ -105,7 +105,9 @@ impl Reader {
             Err(e) => return self.failed(format!("reading segment {:016x}: {e}", at.segment)),
         }
         match vlog::decode(&bytes) {
-            Some(r) if r.key == *key && r.model == model => {
+            Some(r) if r.key != *key || r.model != model => self.damaged(model, key, at),
+            Some(r) if r.expires_at_ms <= now_ms => Read::Miss,
+            Some(r) => {
                 let active = self.shared.active.load(Ordering::Relaxed);
                 if at.segment - min_live < active.saturating_sub(min_live) / SECOND_CHANCE_SHARE {
                     let again = Op::Put {
@@ -132,7 +134,14 @@ impl Reader {
                 None => return Ok(None),
             },
         };
-        Ok(tree.get(index::entry_key(model_id, key))?.and_then(|v| Location::decode(&v)))
+        let buckets = match self.buckets {
+            Some(buckets) => buckets,
+            None => match index::u32_of(tree.get(index::BUCKETS)?) {
+                Some(buckets) => *self.buckets.insert(buckets),
+                None => return Ok(None),
+            },
+        };
+        index::get(tree, buckets, model_id, key)
     }
 
     /// A record that does not check: never served, counted, removed.

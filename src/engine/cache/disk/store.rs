@@ -10,7 +10,7 @@
 //! a restart unlinks files below the watermark. So the figures are never
 //! recounted by a scan, and open time does not grow with the entries.
 
-use super::index::{self, EntryKey, Location};
+use super::index::{self, Bucket, Location};
 use super::{DiskError, vlog};
 use crate::engine::cache::key::Key;
 use crate::telemetry;
@@ -21,9 +21,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// What an index entry is charged against `cache.disk_bytes` beside its
-/// record: about what it takes in sled's files (docs/BENCHMARKS.md), so
+/// record: its 24 bytes in a bucket, four times over, as far as sled's
+/// files may grow before the index is built again (`index_outgrown`), so
 /// that the bound is the state directory's, not the log's alone.
-pub const INDEX_CHARGE: u64 = 96;
+pub const INDEX_CHARGE: u64 = 4 * index::ENTRY_LEN as u64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -47,6 +48,9 @@ struct Active {
     len: u64,
 }
 
+/// An entry's identity: its model's id and its key.
+type Entry = (u32, Key);
+
 pub struct Store {
     dir: PathBuf,
     capacity: u64,
@@ -57,13 +61,15 @@ pub struct Store {
     active: Active,
     /// Records appended since the last commit, and their index entries.
     group: Vec<u8>,
-    pending: Vec<(EntryKey, Location)>,
+    pending: Vec<(Entry, Location)>,
     /// Bytes of every live segment, the group included.
     log_bytes: u64,
     entries: u64,
     models: HashMap<String, u32>,
     next_model: u32,
     min_live: u64,
+    /// How many buckets the index's entries are spread over.
+    buckets: u32,
     /// The format and figures of a fresh index, written with its first batch.
     meta_pending: bool,
 }
@@ -110,7 +116,8 @@ impl Store {
     }
 
     fn load(dir: &Path, capacity: u64, db: sled::Db) -> Result<Store, StoreError> {
-        let fresh = index::u32_of(db.get(index::FORMAT)?).is_none();
+        // An index of another layout (or none) is built again from the segments.
+        let fresh = index::u32_of(db.get(index::FORMAT)?) != Some(index::FORMAT_VERSION);
         let mut min_live = index::u64_of(db.get(index::MIN_LIVE)?).unwrap_or(0);
         let mut segments = BTreeMap::new();
         for (id, bytes) in vlog::list(dir)? {
@@ -149,6 +156,7 @@ impl Store {
             log_bytes: segments.values().map(|s: &Segment| s.bytes).sum(),
             entries: index::u64_of(db.get(index::ENTRIES)?).unwrap_or(0),
             next_model: index::u32_of(db.get(index::NEXT_MODEL)?).unwrap_or(0),
+            buckets: index::u32_of(db.get(index::BUCKETS)?).unwrap_or_else(|| index::buckets_for(capacity)),
             db,
             segments,
             active,
@@ -187,6 +195,7 @@ impl Store {
         batch.insert(index::NEXT_MODEL, &self.next_model.to_be_bytes()[..]);
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         batch.insert(index::MIN_LIVE, &self.min_live.to_be_bytes()[..]);
+        batch.insert(index::BUCKETS, &self.buckets.to_be_bytes()[..]);
         self.meta_pending = false;
     }
 
@@ -216,9 +225,7 @@ impl Store {
                     continue;
                 }
                 let model_id = self.model_id(&record.model)?;
-                let at =
-                    Location { segment: id, offset: offset as u32, len, expires_at_ms: record.expires_at_ms };
-                found.push((index::entry_key(model_id, &record.key), at));
+                found.push(((model_id, record.key), Location { segment: id, offset: offset as u32, len }));
             }
             if !found.is_empty() || end > start.max(vlog::HEADER_LEN) {
                 indexed += self.index(&found, (id, end), true)?;
@@ -232,7 +239,7 @@ impl Store {
     /// that already points later in the log stays (a replay).
     fn index(
         &mut self,
-        items: &[(EntryKey, Location)],
+        items: &[(Entry, Location)],
         checkpoint: (u64, u64),
         newer_only: bool,
     ) -> Result<u64, StoreError> {
@@ -240,26 +247,49 @@ impl Store {
         if self.meta_pending {
             self.meta(&mut batch);
         }
-        let mut written: HashMap<EntryKey, Location> = HashMap::new();
-        for (k, at) in items {
-            let current = match written.get(k) {
-                Some(at) => Some(*at),
-                None => self.db.get(k)?.and_then(|v| Location::decode(&v)),
-            };
-            if newer_only && current.is_some_and(|c| c.place() >= at.place()) {
+        let mut touched: HashMap<[u8; 5], Bucket> = HashMap::new();
+        let mut written = 0;
+        for ((model_id, key), at) in items {
+            let bucket = self.bucket(&mut touched, key)?;
+            if newer_only && bucket.get(*model_id, key).is_some_and(|c| c.place() >= at.place()) {
                 continue;
             }
-            self.entries += current.is_none() as u64;
-            written.insert(*k, *at);
-            batch.insert(&k[..], &at.encode()[..]);
+            self.entries += bucket.set(*model_id, key, *at).is_none() as u64;
+            written += 1;
         }
+        Self::write_buckets(&mut batch, touched);
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         batch.insert(index::CHECKPOINT, &index::checkpoint(checkpoint.0, checkpoint.1)[..]);
         if let Some(segment) = self.segments.get(&checkpoint.0) {
             batch.insert(&index::segment_key(checkpoint.0)[..], &segment.max_expires_at_ms.to_be_bytes()[..]);
         }
         self.db.apply_batch(batch)?;
-        Ok(written.len() as u64)
+        Ok(written)
+    }
+
+    /// The bucket `key` falls in, read once into `touched` and changed there.
+    fn bucket<'a>(
+        &self,
+        touched: &'a mut HashMap<[u8; 5], Bucket>,
+        key: &Key,
+    ) -> Result<&'a mut Bucket, StoreError> {
+        Ok(match touched.entry(index::bucket_key(self.buckets, key)) {
+            std::collections::hash_map::Entry::Occupied(bucket) => bucket.into_mut(),
+            std::collections::hash_map::Entry::Vacant(place) => {
+                let read = self.db.get(place.key())?;
+                place.insert(read.map(|v| Bucket::decode(&v)).unwrap_or_default())
+            }
+        })
+    }
+
+    /// Writes the buckets back in `batch`, an emptied one removed.
+    fn write_buckets(batch: &mut sled::Batch, touched: HashMap<[u8; 5], Bucket>) {
+        for (k, bucket) in touched {
+            match bucket.len() {
+                0 => batch.remove(&k[..]),
+                _ => batch.insert(&k[..], bucket.encode()),
+            }
+        }
     }
 
     /// The id of `model`'s entries, given one on first use.
@@ -305,13 +335,15 @@ impl Store {
         self.db.size_on_disk().unwrap_or(0)
     }
 
-    /// The index's files outgrew the segments it indexes (and a floor:
+    /// The index's files outgrew four times what it holds (and a floor:
     /// sled's own for a fresh store is a few of its 512 KiB segments, and
     /// `at_least`, twice what the last rebuild left): time to build it
-    /// again from them.
+    /// again from the segments. Four times its entries is what
+    /// `INDEX_CHARGE` counts against the bound.
     pub fn index_outgrown(&self, at_least: u64) -> bool {
         let floor = (self.capacity / 16).clamp(2 << 20, 16 << 20);
-        self.index_bytes() > self.log_bytes.max(floor).max(at_least)
+        let held = self.entries * index::ENTRY_LEN as u64 + self.buckets as u64 * 32;
+        self.index_bytes() > (4 * held).max(floor).max(at_least)
     }
 
     /// What the files take: the segments and sled's.
@@ -345,8 +377,8 @@ impl Store {
         let model_id = self.model_id(model)?;
         let offset = self.active_bytes();
         vlog::encode(&mut self.group, model, key, stored_at_ms, expires_at_ms, body);
-        let at = Location { segment: self.active.id, offset: offset as u32, len: len as u32, expires_at_ms };
-        self.pending.push((index::entry_key(model_id, key), at));
+        let at = Location { segment: self.active.id, offset: offset as u32, len: len as u32 };
+        self.pending.push(((model_id, *key), at));
         let segment = self.segments.get_mut(&self.active.id).expect("the active segment is listed");
         segment.bytes += len as u64;
         segment.max_expires_at_ms = segment.max_expires_at_ms.max(expires_at_ms);
@@ -405,23 +437,22 @@ impl Store {
     /// one batch, on disk before the file goes.
     fn evict(&mut self, id: u64) -> Result<(), StoreError> {
         self.commit()?;
-        let mut batch = sled::Batch::default();
+        let mut touched = HashMap::new();
         let mut removed = 0;
         match vlog::read(&self.dir, id) {
             Ok(bytes) => {
-                for (offset, _, record) in vlog::records(&bytes, 0) {
-                    let Some(&model_id) = self.models.get(&record.model) else { continue };
-                    let k = index::entry_key(model_id, &record.key);
-                    let here = |at: Location| at.segment == id && at.offset as u64 == offset;
-                    if self.db.get(k)?.and_then(|v| Location::decode(&v)).is_some_and(here) {
-                        batch.remove(&k[..]);
-                        removed += 1;
-                    }
+                for (_, _, record) in vlog::records(&bytes, 0) {
+                    self.bucket(&mut touched, &record.key)?;
+                }
+                for bucket in touched.values_mut() {
+                    removed += bucket.remove(|_, at| at.segment == id);
                 }
             }
             // Its entries, if any, point at nothing now: misses, removed when read.
             Err(e) => tracing::warn!("disk cache: evicting {e}"),
         }
+        let mut batch = sled::Batch::default();
+        Self::write_buckets(&mut batch, touched);
         self.entries = self.entries.saturating_sub(removed);
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         batch.insert(index::MIN_LIVE, &(id + 1).to_be_bytes()[..]);
@@ -454,11 +485,12 @@ impl Store {
     pub fn remove(&mut self, model: &str, key: &Key, at: Location) -> Result<(), StoreError> {
         let Some(&model_id) = self.models.get(model) else { return Ok(()) };
         self.commit()?;
-        let k = index::entry_key(model_id, key);
-        if self.db.get(k)?.and_then(|v| Location::decode(&v)) == Some(at) {
-            self.entries = self.entries.saturating_sub(1);
+        let mut touched = HashMap::new();
+        let removed = self.bucket(&mut touched, key)?.remove(|m, here| m == model_id && here == at);
+        if removed > 0 {
+            self.entries = self.entries.saturating_sub(removed);
             let mut batch = sled::Batch::default();
-            batch.remove(&k[..]);
+            Self::write_buckets(&mut batch, touched);
             batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
             self.db.apply_batch(batch)?;
         }
@@ -473,9 +505,17 @@ impl Store {
                 let Some(&model_id) = self.models.get(model) else { return Ok(0) };
                 let mut batch = sled::Batch::default();
                 let mut removed = 0;
-                for item in self.db.scan_prefix(index::model_entries(model_id)) {
-                    batch.remove(item?.0);
-                    removed += 1;
+                for item in self.db.scan_prefix(index::all_buckets()) {
+                    let (k, v) = item?;
+                    let mut bucket = Bucket::decode(&v);
+                    let gone = bucket.remove(|m, _| m == model_id);
+                    if gone > 0 {
+                        removed += gone;
+                        match bucket.len() {
+                            0 => batch.remove(k),
+                            _ => batch.insert(k, bucket.encode()),
+                        }
+                    }
                 }
                 self.entries = self.entries.saturating_sub(removed);
                 batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
@@ -535,19 +575,18 @@ impl Store {
             report.torn_tails += (end < segment.bytes.min(bytes.len() as u64)) as u64;
         }
         let mut files: HashMap<u64, Option<File>> = HashMap::new();
-        for item in self.db.scan_prefix([b'k']) {
-            let (_, v) = item?;
-            report.entries += 1;
-            let Some(at) = Location::decode(&v) else {
-                report.dangling += 1;
-                continue;
-            };
-            let file =
-                files.entry(at.segment).or_insert_with(|| File::open(vlog::path(&self.dir, at.segment)).ok());
-            let mut buf = vec![0u8; at.len as usize];
-            let intact = file.as_ref().is_some_and(|f| f.read_exact_at(&mut buf, at.offset as u64).is_ok())
-                && vlog::decode(&buf).is_some();
-            report.dangling += !intact as u64;
+        for item in self.db.scan_prefix(index::all_buckets()) {
+            for at in Bucket::decode(&item?.1).locations() {
+                report.entries += 1;
+                let file = files
+                    .entry(at.segment)
+                    .or_insert_with(|| File::open(vlog::path(&self.dir, at.segment)).ok());
+                let mut buf = vec![0u8; at.len as usize];
+                let intact =
+                    file.as_ref().is_some_and(|f| f.read_exact_at(&mut buf, at.offset as u64).is_ok())
+                        && vlog::decode(&buf).is_some();
+                report.dangling += !intact as u64;
+            }
         }
         report.counted = self.entries;
         Ok(report)
