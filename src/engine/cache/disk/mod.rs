@@ -202,6 +202,8 @@ pub struct DiskOptions {
     /// The longest a request waits for a read (`cache.disk_read_timeout_ms`).
     pub read_timeout: Duration,
     pub sweep: Duration,
+    /// A hit near the eviction end is appended again; false: plain FIFO.
+    pub second_chance: bool,
 }
 
 /// A lookup for the reader: the model, the key, the time it was asked, and
@@ -235,7 +237,7 @@ impl Disk {
     /// that fails (or another process holds the store) is there no disk
     /// layer.
     pub fn open(path: &Path, options: DiskOptions) -> Result<Disk, DiskError> {
-        let DiskOptions { capacity, page_cache_bytes, read_timeout, sweep } = options;
+        let DiskOptions { capacity, page_cache_bytes, read_timeout, sweep, second_chance } = options;
         let (store, quarantined) = store::Store::open(path, capacity, page_cache_bytes)?;
         let problem = quarantined.map(|detail| {
             tracing::error!("cache store {}: {detail}", path.display());
@@ -262,7 +264,7 @@ impl Disk {
             .spawn(move || writer.run(rx, sweep))
             .map_err(|e| DiskError::Thread(e.to_string()))?;
         let (reads, read_rx) = std::sync::mpsc::sync_channel(READ_QUEUE);
-        let reader = reader::Reader::new(path, shared.clone(), ops.clone());
+        let reader = reader::Reader::new(path, shared.clone(), ops.clone(), second_chance);
         std::thread::Builder::new()
             .name("cache-reader".into())
             .spawn(move || reader.run(read_rx))

@@ -32,6 +32,8 @@ pub(super) struct Reader {
     generation: u64,
     /// The watermark `files` was last pruned at.
     min_live: u64,
+    /// Hits near the eviction end are appended again.
+    second_chance: bool,
 }
 
 /// A hit on a segment this close to the eviction end (a quarter of the
@@ -40,8 +42,9 @@ pub(super) struct Reader {
 const SECOND_CHANCE_SHARE: u64 = 4;
 
 impl Reader {
-    pub fn new(path: &Path, shared: Arc<Shared>, ops: SyncSender<Op>) -> Reader {
+    pub fn new(path: &Path, shared: Arc<Shared>, ops: SyncSender<Op>, second_chance: bool) -> Reader {
         Reader {
+            second_chance,
             path: path.to_path_buf(),
             shared,
             ops,
@@ -109,7 +112,9 @@ impl Reader {
             Some(r) if r.expires_at_ms <= now_ms => Read::Miss,
             Some(r) => {
                 let active = self.shared.active.load(Ordering::Relaxed);
-                if at.segment - min_live < active.saturating_sub(min_live) / SECOND_CHANCE_SHARE {
+                if self.second_chance
+                    && at.segment - min_live < active.saturating_sub(min_live) / SECOND_CHANCE_SHARE
+                {
                     let again = Op::Put {
                         model: model.to_string(),
                         key: *key,

@@ -386,6 +386,11 @@ impl Store {
         Ok(())
     }
 
+    /// Answers appended since the last commit.
+    pub fn uncommitted(&self) -> usize {
+        self.pending.len()
+    }
+
     /// Writes the group to the active segment, then indexes it: data first.
     pub fn commit(&mut self) -> Result<(), StoreError> {
         if self.group.is_empty() {

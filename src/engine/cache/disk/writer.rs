@@ -22,6 +22,14 @@ const PROBE_MAX: Duration = Duration::from_secs(30);
 const FLUSH_AFTER: Duration = Duration::from_millis(500);
 /// Most ops taken into one group before it is written.
 const GROUP: usize = 1024;
+/// How long appended answers may wait to be indexed in one batch with
+/// those that follow. Every sled batch seals sled's write buffer and hands
+/// it to sled's I/O threads, so a batch per wake (one or two answers at
+/// 2,000 req/s) cost far more than the answers (issue 37's write figure).
+/// Until indexed, an answer is served from the memory layer, or computed.
+const COMMIT_AFTER: Duration = Duration::from_millis(5);
+/// Answers that make a batch worth writing at once.
+const COMMIT_AT: usize = 256;
 
 pub(super) struct Writer {
     /// `None` while the layer is off after an error.
@@ -57,13 +65,22 @@ impl Writer {
         let mut probe = Probe::default();
         // When the oldest write not yet flushed is due on disk.
         let mut flush_due: Option<Instant> = None;
+        // When the oldest answer not yet indexed is due in the index.
+        let mut commit_due: Option<Instant> = None;
         loop {
             let wake = probe.due(self.live()).map_or(next_sweep, |at| at.min(next_sweep));
             let wake = flush_due.map_or(wake, |at| at.min(wake));
+            let wake = commit_due.map_or(wake, |at| at.min(wake));
             let first = match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                 Ok(op) => op,
+                Err(RecvTimeoutError::Timeout) if commit_due.is_some_and(|at| at <= Instant::now()) => {
+                    commit_due = None;
+                    self.guard("writing answers", Store::commit);
+                    continue;
+                }
                 Err(RecvTimeoutError::Timeout) if flush_due.is_some_and(|at| at <= Instant::now()) => {
                     flush_due = None;
+                    commit_due = None;
                     self.flush();
                     if self.store.as_ref().is_some_and(|s| s.index_outgrown(2 * self.rebuilt_index_bytes)) {
                         self.rebuild_index();
@@ -107,7 +124,16 @@ impl Writer {
                     next = rx.try_recv().ok();
                 }
             }
-            self.guard("writing answers", Store::commit);
+            match self.store.as_ref().map_or(0, Store::uncommitted) {
+                0 => commit_due = None,
+                n if n >= COMMIT_AT => {
+                    commit_due = None;
+                    self.guard("writing answers", Store::commit);
+                }
+                _ => {
+                    commit_due.get_or_insert_with(|| Instant::now() + COMMIT_AFTER);
+                }
+            }
         }
     }
 
