@@ -27,7 +27,6 @@ fn options(dir: &Path, memory_bytes: u64) -> CacheOptions {
         // Long enough that every disk read is timed, not given up on.
         disk_read_timeout: Duration::from_secs(1),
         disk_page_cache_bytes: 4 << 20,
-        disk_second_chance: true,
         redis: None,
     }
 }
@@ -163,8 +162,7 @@ fn main() {
 /// each miss stored, with `cache.disk_bytes` from `HIT_RATIO_MIB` (a list,
 /// default "8"): the ratio over the second half of 200,000 lookups, and
 /// what the store's directory took on disk at the end, so that stores can
-/// be compared at equal disk bytes (issue 37); each with second chance and
-/// with plain FIFO eviction.
+/// be compared at equal disk bytes (issue 37).
 fn hit_ratios(rt: &tokio::runtime::Runtime) {
     let mibs = std::env::var("HIT_RATIO_MIB").unwrap_or_else(|_| "8".into());
     let (universe, lookups) = (100_000u64, 200_000u64);
@@ -189,18 +187,10 @@ fn hit_ratios(rt: &tokio::runtime::Runtime) {
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     };
     let response = reply();
-    let runs = mibs
-        .split(',')
-        .filter_map(|m| m.trim().parse::<u64>().ok())
-        .flat_map(|mib| ["zipf", "uniform"].into_iter().flat_map(move |w| [(mib, w, true), (mib, w, false)]));
-    for (mib, workload, second_chance) in runs {
-        {
+    for mib in mibs.split(',').filter_map(|m| m.trim().parse::<u64>().ok()) {
+        for workload in ["zipf", "uniform"] {
             let dir = tempfile::tempdir().unwrap();
-            let cache = Cache::open(CacheOptions {
-                disk_bytes: mib << 20,
-                disk_second_chance: second_chance,
-                ..options(dir.path(), 0)
-            });
+            let cache = Cache::open(CacheOptions { disk_bytes: mib << 20, ..options(dir.path(), 0) });
             let (mut hits, mut counted) = (0u64, 0u64);
             rt.block_on(async {
                 for i in 0..lookups {
@@ -226,9 +216,8 @@ fn hit_ratios(rt: &tokio::runtime::Runtime) {
                 cache.flush().await;
             });
             let on_disk = dir_bytes(dir.path());
-            let policy = if second_chance { "second chance" } else { "FIFO" };
             println!(
-                "hit ratio, {workload}, cache.disk_bytes {mib} MiB, {policy}: {:.1}% ({hits} of {counted}); directory {:.1} MiB",
+                "hit ratio, {workload}, cache.disk_bytes {mib} MiB: {:.1}% ({hits} of {counted}); directory {:.1} MiB",
                 hits as f64 * 100.0 / counted as f64,
                 on_disk as f64 / (1u64 << 20) as f64
             );

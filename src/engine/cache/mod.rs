@@ -42,10 +42,6 @@ pub struct CacheOptions {
     pub sweep_interval: Duration,
     pub disk_read_timeout: Duration,
     pub disk_page_cache_bytes: u64,
-    /// A disk hit near the eviction end is appended again (second chance);
-    /// false: plain FIFO. The node always keeps it on; the hit-ratio bench
-    /// measures both (docs/BENCHMARKS.md).
-    pub disk_second_chance: bool,
     /// The shared layer, when `cache.redis.enabled`.
     pub redis: Option<RedisOptions>,
 }
@@ -63,7 +59,6 @@ impl CacheOptions {
             sweep_interval: Duration::from_secs(c.sweep_interval_s.max(1)),
             disk_read_timeout: Duration::from_millis(c.disk_read_timeout_ms),
             disk_page_cache_bytes: c.disk_page_cache_bytes,
-            disk_second_chance: true,
             redis: c.redis.enabled.then(|| RedisOptions {
                 url: c.redis.url.clone(),
                 ca_file: c.redis.ca_file.clone(),
@@ -88,7 +83,6 @@ impl CacheOptions {
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,
-            disk_second_chance: true,
             redis: None,
         }
     }
@@ -154,7 +148,6 @@ impl Cache {
                             page_cache_bytes: options.disk_page_cache_bytes,
                             read_timeout: options.disk_read_timeout,
                             sweep: options.sweep_interval,
-                            second_chance: options.disk_second_chance,
                         },
                     )
                 });
@@ -409,7 +402,6 @@ mod tests {
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,
-            disk_second_chance: true,
             redis: None,
         });
         let ttl = Duration::from_secs(60);

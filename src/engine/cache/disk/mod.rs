@@ -80,8 +80,6 @@ struct Shared {
     size_on_disk: AtomicU64,
     /// Segments below it are gone; the reader lets go of their files.
     min_live: AtomicU64,
-    /// The segment being appended to: with `min_live`, how old a hit is.
-    active: AtomicU64,
     /// Changes whenever model ids may have (a purge, a repair, a reopen):
     /// the reader forgets the ids it kept.
     generation: AtomicU64,
@@ -202,8 +200,6 @@ pub struct DiskOptions {
     /// The longest a request waits for a read (`cache.disk_read_timeout_ms`).
     pub read_timeout: Duration,
     pub sweep: Duration,
-    /// A hit near the eviction end is appended again; false: plain FIFO.
-    pub second_chance: bool,
 }
 
 /// A lookup for the reader: the model, the key, the time it was asked, and
@@ -237,7 +233,7 @@ impl Disk {
     /// that fails (or another process holds the store) is there no disk
     /// layer.
     pub fn open(path: &Path, options: DiskOptions) -> Result<Disk, DiskError> {
-        let DiskOptions { capacity, page_cache_bytes, read_timeout, sweep, second_chance } = options;
+        let DiskOptions { capacity, page_cache_bytes, read_timeout, sweep } = options;
         let (store, quarantined) = store::Store::open(path, capacity, page_cache_bytes)?;
         let problem = quarantined.map(|detail| {
             tracing::error!("cache store {}: {detail}", path.display());
@@ -250,7 +246,6 @@ impl Disk {
             bytes: AtomicU64::new(store.bytes()),
             size_on_disk: AtomicU64::new(store.size_on_disk()),
             min_live: AtomicU64::new(store.min_live()),
-            active: AtomicU64::new(store.active_id()),
             generation: AtomicU64::new(0),
             index_rebuilds: AtomicU64::new(0),
             problem: Mutex::new(problem),
@@ -264,7 +259,7 @@ impl Disk {
             .spawn(move || writer.run(rx, sweep))
             .map_err(|e| DiskError::Thread(e.to_string()))?;
         let (reads, read_rx) = std::sync::mpsc::sync_channel(READ_QUEUE);
-        let reader = reader::Reader::new(path, shared.clone(), ops.clone(), second_chance);
+        let reader = reader::Reader::new(path, shared.clone(), ops.clone());
         std::thread::Builder::new()
             .name("cache-reader".into())
             .spawn(move || reader.run(read_rx))

@@ -20,8 +20,7 @@ use std::sync::mpsc::{Receiver, SyncSender};
 pub(super) struct Reader {
     path: PathBuf,
     shared: Arc<Shared>,
-    /// To the writer: an entry to remove, an old hit to append again, or a
-    /// wake-up to probe.
+    /// To the writer: an entry to remove, or a wake-up to probe.
     ops: SyncSender<Op>,
     /// Open segments, by id; closed once evicted, so their space is freed.
     files: HashMap<u64, File>,
@@ -32,19 +31,11 @@ pub(super) struct Reader {
     generation: u64,
     /// The watermark `files` was last pruned at.
     min_live: u64,
-    /// Hits near the eviction end are appended again.
-    second_chance: bool,
 }
 
-/// A hit on a segment this close to the eviction end (a quarter of the
-/// live ones) is appended again: a hot answer outlives the FIFO
-/// (docs/BENCHMARKS.md, hit ratio by policy).
-const SECOND_CHANCE_SHARE: u64 = 4;
-
 impl Reader {
-    pub fn new(path: &Path, shared: Arc<Shared>, ops: SyncSender<Op>, second_chance: bool) -> Reader {
+    pub fn new(path: &Path, shared: Arc<Shared>, ops: SyncSender<Op>) -> Reader {
         Reader {
-            second_chance,
             path: path.to_path_buf(),
             shared,
             ops,
@@ -110,22 +101,7 @@ impl Reader {
         match vlog::decode(&bytes) {
             Some(r) if r.key != *key || r.model != model => self.damaged(model, key, at),
             Some(r) if r.expires_at_ms <= now_ms => Read::Miss,
-            Some(r) => {
-                let active = self.shared.active.load(Ordering::Relaxed);
-                if self.second_chance
-                    && at.segment - min_live < active.saturating_sub(min_live) / SECOND_CHANCE_SHARE
-                {
-                    let again = Op::Put {
-                        model: model.to_string(),
-                        key: *key,
-                        stored_at_ms: r.stored_at_ms,
-                        expires_at_ms: r.expires_at_ms,
-                        body: r.body.clone(),
-                    };
-                    let _ = self.ops.try_send(again);
-                }
-                Read::Hit { body: r.body, expires_at_ms: r.expires_at_ms }
-            }
+            Some(r) => Read::Hit { body: r.body, expires_at_ms: r.expires_at_ms },
             _ => self.damaged(model, key, at),
         }
     }

@@ -172,8 +172,8 @@ impl Store {
             _ => (0, 0),
         };
         // A fresh index gets its format with its first batch, not now: a
-        // write to sled wakes its I/O threads every second for good, and
-        // an idle node should not pay that (issue 43).
+        // write to sled starts its seven I/O threads (issue 43: they sleep
+        // since vendor/sled, but an idle node need not start them).
         store.meta_pending = fresh || orphaned;
         let indexed = store.replay(from)?;
         if indexed > 0 {
@@ -319,10 +319,6 @@ impl Store {
 
     pub fn min_live(&self) -> u64 {
         self.min_live
-    }
-
-    pub fn active_id(&self) -> u64 {
-        self.active.id
     }
 
     /// The index, for the reader.

@@ -17,13 +17,7 @@ fn open(dir: &Path, capacity: u64) -> Disk {
 }
 
 fn options(capacity: u64, sweep: Duration) -> DiskOptions {
-    DiskOptions {
-        capacity,
-        page_cache_bytes: 4 << 20,
-        read_timeout: Duration::from_secs(5),
-        sweep,
-        second_chance: true,
-    }
+    DiskOptions { capacity, page_cache_bytes: 4 << 20, read_timeout: Duration::from_secs(5), sweep }
 }
 
 fn body(i: u32) -> Vec<u8> {

@@ -274,7 +274,6 @@ impl Writer {
         let (entries, bytes) = (store.entries(), store.bytes());
         self.shared.entries.store(entries, Ordering::Relaxed);
         self.shared.bytes.store(bytes, Ordering::Relaxed);
-        self.shared.active.store(store.active_id(), Ordering::Relaxed);
         self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
         metrics::gauge!(telemetry::CACHE_ENTRIES, "layer" => "disk").set(entries as f64);
         metrics::gauge!(telemetry::CACHE_BYTES, "layer" => "disk").set(bytes as f64);
