@@ -1,5 +1,6 @@
 //! The one owner of every write to the disk layer: a thread that drains
-//! its queue in groups (each group one append and one index batch), flushes
+//! its queue in groups (each group one append), indexes them in one sled
+//! batch per 256 answers or 5 ms, flushes
 //! a while after the first unflushed write, sweeps expired segments, and
 //! reopens the store after an error until a probe write succeeds.
 
