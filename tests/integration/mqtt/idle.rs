@@ -4,9 +4,12 @@
 //! counters (`/proc/PID/task/*/status`) over quiet windows: counts, not
 //! times, so a slow machine does not make it pass or fail.
 
-use super::support::{Mosquitto, infer_digits, node_with_http};
+use super::support::{Mosquitto, infer_digits, node_with_http, scrape};
 use crate::{digits_request, heldout};
 use std::time::Duration;
+
+/// The gauge of entries by cache layer.
+const CACHE_ENTRIES: &str = "edgeinfer_cache_entries{";
 
 /// Context switches (voluntary and not) of every thread of `pid`, by thread.
 fn switches(pid: u32) -> Vec<(String, u64)> {
@@ -68,19 +71,19 @@ fn an_idle_node_wakes_at_most_twice_a_second() {
 
     let reply = infer_digits(http, &digits_request("idle-warm", &[heldout()[0].1.clone()]));
     assert_eq!(reply["id"], "idle-warm", "{reply}");
-    // The disk writer flushes its group 500 ms after a write; the answer is
-    // on disk, indexed in sled, before the second window opens.
-    let segments = state.path().join("cache");
-    let stored = || {
-        std::fs::read_dir(&segments).into_iter().flatten().flatten().any(|f| {
-            f.file_name().to_string_lossy().ends_with(".vlog") && f.metadata().is_ok_and(|m| m.len() > 0)
-        }) && segments.join("index").is_dir()
+    // The disk layer counts an entry once the writer indexed it in sled
+    // (within 5 ms of the write): sled has been written, and its I/O
+    // pool started, before the second window opens.
+    let indexed = || {
+        scrape(http).lines().any(|l| {
+            l.starts_with(CACHE_ENTRIES) && l.contains("layer=\"disk\"") && l.rsplit(' ').next() != Some("0")
+        })
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !stored() && std::time::Instant::now() < deadline {
+    while !indexed() && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(stored(), "no answer stored under {}", segments.display());
+    assert!(indexed(), "the disk layer never counted the answer:\n{}", scrape(http));
     std::thread::sleep(Duration::from_secs(2));
     let (total, woken) = wakeups(node.pid(), window);
     eprintln!("one answer stored: {total} wake-ups in {window:?}: {woken:?}");
