@@ -87,6 +87,9 @@ fn reopen(options: CacheOptions) -> Cache {
 fn main() {
     let mut c = Criterion::default().configure_from_args().warm_up_time(Duration::from_millis(500));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    if let Some(answers) = std::env::var("DISK_RSS").ok().and_then(|n| n.parse().ok()) {
+        return disk_rss(&rt, answers);
+    }
     let n = 20_000;
 
     let model_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/digits/1");
@@ -191,7 +194,7 @@ fn hit_ratios(rt: &tokio::runtime::Runtime) {
         for workload in ["zipf", "uniform"] {
             let dir = tempfile::tempdir().unwrap();
             let cache = Cache::open(CacheOptions { disk_bytes: mib << 20, ..options(dir.path(), 0) });
-            let (mut hits, mut counted) = (0u64, 0u64);
+            let (mut hits, mut counted, mut peak) = (0u64, 0u64, 0u64);
             rt.block_on(async {
                 for i in 0..lookups {
                     let u = uniform01();
@@ -211,17 +214,64 @@ fn hit_ratios(rt: &tokio::runtime::Runtime) {
                     // The writer's queue drops what overflows it.
                     if i % 1000 == 999 {
                         cache.flush().await;
+                        peak = peak.max(dir_bytes(dir.path()));
                     }
                 }
                 cache.flush().await;
             });
             let on_disk = dir_bytes(dir.path());
             println!(
-                "hit ratio, {workload}, cache.disk_bytes {mib} MiB: {:.1}% ({hits} of {counted}); directory {:.1} MiB",
+                "hit ratio, {workload}, cache.disk_bytes {mib} MiB: {:.1}% ({hits} of {counted}); directory {:.1} MiB, at most {:.1} MiB",
                 hits as f64 * 100.0 / counted as f64,
-                on_disk as f64 / (1u64 << 20) as f64
+                on_disk as f64 / (1u64 << 20) as f64,
+                peak.max(on_disk) as f64 / (1u64 << 20) as f64
             );
         }
+    }
+}
+
+/// `DISK_RSS=N cargo bench --bench cache`: N distinct answers through a
+/// disk layer at the default bound (256 MiB) and no memory layer, each a
+/// lookup (a miss) and a store, as the soak sends them but with nothing
+/// else in the process: every N/10 answers, the process's RSS, the rate,
+/// and what the store counts and its files take (issue 37: memory that
+/// does not follow the files).
+fn disk_rss(rt: &tokio::runtime::Runtime, answers: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = Cache::open(CacheOptions { disk_bytes: 256 << 20, ..options(dir.path(), 0) });
+    let step = (answers / 10).max(1000);
+    let rss_mib = || {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok());
+        kib.unwrap_or(0.0) / 1024.0
+    };
+    println!("disk layer alone, cache.disk_bytes 256 MiB, no memory layer; RSS at open {:.1} MiB", rss_mib());
+    println!("| answers | RSS | us per answer | entries | counted | files | of which the index |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let mut from = 0;
+    while from < answers {
+        let started = Instant::now();
+        fill(rt, &cache, from, step);
+        from += step;
+        let per = started.elapsed().as_secs_f64() * 1e6 / step as f64;
+        let disk = cache.stats().disk.unwrap();
+        let segments: u64 = std::fs::read_dir(&disk.path)
+            .map(|d| {
+                d.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+            })
+            .unwrap_or(0);
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "| {from} | {:.1} MiB | {per:.1} | {} | {:.1} MiB | {:.1} MiB | {:.1} MiB |",
+            rss_mib(),
+            disk.entries,
+            mib(disk.bytes),
+            mib(dir_bytes(dir.path())),
+            mib(dir_bytes(dir.path()).saturating_sub(segments))
+        );
     }
 }
 

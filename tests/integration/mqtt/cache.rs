@@ -439,9 +439,23 @@ fn a_full_disk_turns_the_disk_layer_off_serving_continues_and_it_comes_back_when
 #[test]
 fn a_slow_disk_costs_a_miss_and_never_delays_a_request() {
     let state = tempfile::tempdir().unwrap();
+    let n = 12;
+    // The answers on disk first: a key the disk layer does not hold is a
+    // miss without a read, so only a stored one tests a slow read.
+    let (mut node, _, port) = start("gw-c12", &[state_env(state.path())]);
+    for i in 0..n {
+        assert_eq!(cache_of(&infer_digits(port, &request(&format!("on-{i}"), i, i, json!({})))), "miss");
+    }
+    let disk_entries = || sample(&scrape(port), &["edgeinfer_cache_entries{", "layer=\"disk\""]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while disk_entries() < n as f64 {
+        assert!(std::time::Instant::now() < deadline, "the disk layer never held {n} answers");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(node.terminate().success());
+    // Restarted with an empty memory layer and a disk that takes 3 s a read.
     let env = [state_env(state.path()), ("FAILPOINTS", "disk_read_delay=return(3000)".to_string())];
     let (_node, _, port) = start("gw-c12", &env);
-    let n = 12;
     let cached = std::thread::spawn(move || {
         (0..n)
             .map(|i| {

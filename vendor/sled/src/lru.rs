@@ -16,14 +16,22 @@ use crate::{
 #[cfg(any(test, feature = "lock_free_delays"))]
 const MAX_QUEUE_ITEMS: usize = 4;
 
+// edgeinfer's patch: upstream queues 64 accesses per shard, over 256
+// shards, before a shard looks at its size, so up to 16,384 page accesses
+// go uncounted and the pages behind them stay in memory whatever
+// `cache_capacity` says. An index written once per segment touches each
+// page a handful of times: its shards almost never filled, and the
+// process's memory followed the index's files (issue 37). 4 accesses over
+// 8 shards bound what goes uncounted to 32 pages; the node's two threads
+// that use sled do not contend for the shards' locks.
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const MAX_QUEUE_ITEMS: usize = 64;
+const MAX_QUEUE_ITEMS: usize = 4;
 
 #[cfg(any(test, feature = "lock_free_delays"))]
 const N_SHARDS: usize = 2;
 
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const N_SHARDS: usize = 256;
+const N_SHARDS: usize = 8;
 
 struct AccessBlock {
     len: AtomicUsize,

@@ -72,6 +72,9 @@ struct Problem {
     detail: String,
 }
 
+/// sled's tree and the catalog beside it (`index.rs`).
+type IndexView = (sled::Tree, Arc<RwLock<index::Catalog>>);
+
 /// What the writer publishes and the reader and the handle read.
 struct Shared {
     enabled: AtomicBool,
@@ -87,7 +90,7 @@ struct Shared {
     index_rebuilds: AtomicU64,
     problem: Mutex<Option<Problem>>,
     /// The index; `None` while the layer is off or reopening.
-    index: RwLock<Option<sled::Tree>>,
+    index: RwLock<Option<IndexView>>,
 }
 
 impl Shared {
@@ -112,15 +115,22 @@ impl Shared {
         self.problem.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The index as it is now (a cheap handle), if the layer is on.
-    fn index(&self) -> Option<sled::Tree> {
+    /// The index as it is now (cheap handles), if the layer is on.
+    fn index(&self) -> Option<IndexView> {
         if !self.enabled.load(Ordering::Relaxed) {
             return None;
         }
         self.index.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn set_index(&self, index: Option<sled::Tree>) {
+    /// Whether the index certainly lacks `key` (`index::certainly_absent`),
+    /// told without waiting on a lock: a held one leaves it to the reader.
+    fn certainly_absent(&self, model: &str, key: &Key) -> bool {
+        let Ok(index) = self.index.try_read() else { return false };
+        index.as_ref().is_some_and(|(_, catalog)| index::certainly_absent(catalog, model, key))
+    }
+
+    fn set_index(&self, index: Option<IndexView>) {
         *self.index.write().unwrap_or_else(|e| e.into_inner()) = index;
         self.generation.fetch_add(1, Ordering::Relaxed);
     }
@@ -249,7 +259,7 @@ impl Disk {
             generation: AtomicU64::new(0),
             index_rebuilds: AtomicU64::new(0),
             problem: Mutex::new(problem),
-            index: RwLock::new(Some(store.index_tree())),
+            index: RwLock::new(Some(store.index_view())),
         });
         metrics::gauge!(telemetry::CACHE_DISK_ENABLED).set(1.0);
         let (ops, rx) = std::sync::mpsc::sync_channel(QUEUE);
@@ -275,6 +285,9 @@ impl Disk {
     /// the read timeout; otherwise a miss (counted), and the request goes on.
     pub async fn get(&self, model: &str, key: &Key, now_ms: u64) -> Read {
         if !self.enabled() {
+            return Read::Miss;
+        }
+        if self.shared.certainly_absent(model, key) {
             return Read::Miss;
         }
         let (reply, answer) = tokio::sync::oneshot::channel();

@@ -3,7 +3,7 @@
 //! record's CRC, its key and model) before it is served; a damaged or
 //! dangling entry is a miss, counted, and the writer removes it.
 
-use super::index::{self, Location};
+use super::index::{self, Catalog, Location};
 use super::{Op, READ_FAILED, Read, ReadOp, Shared, vlog};
 use crate::engine::cache::key::Key;
 use crate::telemetry;
@@ -13,9 +13,9 @@ use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::{Arc, RwLock};
 
 pub(super) struct Reader {
     path: PathBuf,
@@ -24,10 +24,8 @@ pub(super) struct Reader {
     ops: SyncSender<Op>,
     /// Open segments, by id; closed once evicted, so their space is freed.
     files: HashMap<u64, File>,
-    /// Model ids and the bucket count as the index has them, until
-    /// `generation` changes.
+    /// Model ids as the index has them, until `generation` changes.
     models: HashMap<String, u32>,
-    buckets: Option<u32>,
     generation: u64,
     /// The watermark `files` was last pruned at.
     min_live: u64,
@@ -41,7 +39,6 @@ impl Reader {
             ops,
             files: HashMap::new(),
             models: HashMap::new(),
-            buckets: None,
             generation: u64::MAX,
             min_live: 0,
         }
@@ -59,17 +56,17 @@ impl Reader {
     }
 
     fn read(&mut self, model: &str, key: &Key, now_ms: u64) -> Read {
-        let Some(tree) = self.shared.index() else { return Read::Miss };
+        let Some((tree, catalog)) = self.shared.index() else { return Read::Miss };
         let generation = self.shared.generation.load(Ordering::Relaxed);
         if generation != self.generation {
-            (self.models, self.buckets, self.generation) = (HashMap::new(), None, generation);
+            (self.models, self.generation) = (HashMap::new(), generation);
         }
         let min_live = self.shared.min_live.load(Ordering::Relaxed);
         if min_live != self.min_live {
             self.files.retain(|id, _| *id >= min_live);
             self.min_live = min_live;
         }
-        let found = std::panic::catch_unwind(AssertUnwindSafe(|| self.locate(&tree, model, key)));
+        let found = std::panic::catch_unwind(AssertUnwindSafe(|| self.locate(&tree, &catalog, model, key)));
         let at = match found {
             Ok(Ok(Some(at))) => at,
             Ok(Ok(None)) => return Read::Miss,
@@ -107,7 +104,13 @@ impl Reader {
     }
 
     /// Where `key`'s record lies, if the index has it.
-    fn locate(&mut self, tree: &sled::Tree, model: &str, key: &Key) -> sled::Result<Option<Location>> {
+    fn locate(
+        &mut self,
+        tree: &sled::Tree,
+        catalog: &RwLock<Catalog>,
+        model: &str,
+        key: &Key,
+    ) -> sled::Result<Option<Location>> {
         let model_id = match self.models.get(model) {
             Some(id) => *id,
             None => match index::u32_of(tree.get(index::model_key(model))?) {
@@ -115,14 +118,7 @@ impl Reader {
                 None => return Ok(None),
             },
         };
-        let buckets = match self.buckets {
-            Some(buckets) => buckets,
-            None => match index::u32_of(tree.get(index::BUCKETS)?) {
-                Some(buckets) => *self.buckets.insert(buckets),
-                None => return Ok(None),
-            },
-        };
-        index::get(tree, buckets, model_id, key)
+        index::lookup(tree, catalog, model_id, key)
     }
 
     /// A record that does not check: never served, counted, removed.

@@ -3,14 +3,16 @@
 //! threads here: `writer.rs` drives it, `reader.rs` reads beside it.
 //!
 //! Crash order: a group of records is appended to the active segment, then
-//! indexed in one sled batch that also moves the checkpoint; a restart
-//! indexes whatever lies after the checkpoint (written, its batch lost) and
-//! starts a new segment. An eviction removes a segment's entries and
+//! its entries go into the in-memory catalog, where reads find them. When
+//! the segment is full it is sealed: its entries and filter go into sled in
+//! one batch with the figures. A restart seals whatever segment was left
+//! unsealed (the records are the truth; at most one segment is read) and
+//! starts a new one. An eviction removes a sealed segment's entries and
 //! raises the live watermark in one batch, flushes, then unlinks the file;
 //! a restart unlinks files below the watermark. So the figures are never
 //! recounted by a scan, and open time does not grow with the entries.
 
-use super::index::{self, Bucket, Location};
+use super::index::{self, Bucket, Catalog, Location, Sealed, SealedView, SegmentFilter};
 use super::{DiskError, vlog};
 use crate::engine::cache::key::Key;
 use crate::telemetry;
@@ -19,12 +21,13 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock, RwLockWriteGuard};
 
 /// What an index entry is charged against `cache.disk_bytes` beside its
-/// record: its 24 bytes in a bucket, four times over, as far as sled's
-/// files may grow before the index is built again (`index_outgrown`), so
-/// that the bound is the state directory's, not the log's alone.
-pub const INDEX_CHARGE: u64 = 4 * index::ENTRY_LEN as u64;
+/// record: its 20 bytes in a bucket and its filter's 9 bits, twice over
+/// for sled's own framing and the space of removed entries it has not yet
+/// reclaimed (docs/BENCHMARKS.md measures the files against it).
+pub const INDEX_CHARGE: u64 = 2 * (index::ENTRY_LEN as u64 + 2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -38,6 +41,8 @@ struct Segment {
     bytes: u64,
     /// The latest expiry of its records: past it, the segment goes whole.
     max_expires_at_ms: u64,
+    /// Its figures in sled, once sealed.
+    sealed: Option<Sealed>,
 }
 
 /// The segment being appended to.
@@ -46,32 +51,37 @@ struct Active {
     file: File,
     /// Bytes in the file (the group not yet written is not).
     len: u64,
+    /// Entries in the catalog (written, not sealed).
+    entries: u64,
 }
 
-/// An entry's identity: its model's id and its key.
-type Entry = (u32, Key);
+/// An entry appended and not yet written: model id, key hash, location.
+type Pending = (u32, u64, Location);
 
 pub struct Store {
     dir: PathBuf,
     capacity: u64,
     segment_target: u64,
     db: sled::Db,
+    catalog: Arc<RwLock<Catalog>>,
     /// Live segments, oldest first; the active one is the last.
     segments: BTreeMap<u64, Segment>,
     active: Active,
-    /// Records appended since the last commit, and their index entries.
+    /// Records appended since the last commit, and their entries.
     group: Vec<u8>,
-    pending: Vec<(Entry, Location)>,
+    pending: Vec<Pending>,
     /// Bytes of every live segment, the group included.
     log_bytes: u64,
+    /// Entries of the sealed segments (what sled's count holds).
     entries: u64,
     models: HashMap<String, u32>,
     next_model: u32,
     min_live: u64,
-    /// How many buckets the index's entries are spread over.
-    buckets: u32,
     /// The format and figures of a fresh index, written with its first batch.
     meta_pending: bool,
+    /// A batch went to sled since its last flush: most flushes find none
+    /// (sled is written per segment), and need not sync it.
+    index_dirty: bool,
 }
 
 /// A segment's size for a bound: 64 segments to the bound, so an eviction
@@ -118,7 +128,10 @@ impl Store {
     fn load(dir: &Path, capacity: u64, db: sled::Db) -> Result<Store, StoreError> {
         // An index of another layout (or none) is built again from the segments.
         let fresh = index::u32_of(db.get(index::FORMAT)?) != Some(index::FORMAT_VERSION);
-        let mut min_live = index::u64_of(db.get(index::MIN_LIVE)?).unwrap_or(0);
+        if fresh {
+            db.clear()?;
+        }
+        let min_live = index::u64_of(db.get(index::MIN_LIVE)?).unwrap_or(0);
         let mut segments = BTreeMap::new();
         for (id, bytes) in vlog::list(dir)? {
             // An eviction stopped between its batch and the unlink; or a
@@ -127,21 +140,12 @@ impl Store {
                 remove_segment(dir, id)?;
                 continue;
             }
-            let max_expires_at_ms = index::u64_of(db.get(index::segment_key(id))?).unwrap_or(0);
-            segments.insert(id, Segment { bytes, max_expires_at_ms });
-        }
-        let checkpoint = index::checkpoint_of(db.get(index::CHECKPOINT)?);
-        // A purge stopped between unlinking the segments and clearing the
-        // index leaves entries with nothing to point at.
-        let orphaned = segments.is_empty() && index::u64_of(db.get(index::ENTRIES)?).unwrap_or(0) > 0;
-        if fresh || orphaned {
-            db.clear()?;
+            segments.insert(id, Segment { bytes, max_expires_at_ms: 0, sealed: None });
         }
         let last = segments.keys().next_back().copied().unwrap_or(0);
-        let id = last.max(min_live).max(checkpoint.map_or(0, |c| c.0)) + 1;
-        min_live = min_live.max(segments.keys().next().copied().unwrap_or(id));
-        let active = Active { id, file: vlog::create(dir, id)?, len: vlog::HEADER_LEN };
-        segments.insert(id, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0 });
+        let id = last.max(min_live) + 1;
+        let active = Active { id, file: vlog::create(dir, id)?, len: vlog::HEADER_LEN, entries: 0 };
+        segments.insert(id, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
         let mut models = HashMap::new();
         for item in db.scan_prefix(index::models()) {
             let (k, v) = item?;
@@ -156,140 +160,166 @@ impl Store {
             log_bytes: segments.values().map(|s: &Segment| s.bytes).sum(),
             entries: index::u64_of(db.get(index::ENTRIES)?).unwrap_or(0),
             next_model: index::u32_of(db.get(index::NEXT_MODEL)?).unwrap_or(0),
-            buckets: index::u32_of(db.get(index::BUCKETS)?).unwrap_or_else(|| index::buckets_for(capacity)),
             db,
+            catalog: Arc::new(RwLock::new(Catalog {
+                active_id: id,
+                models: models.clone(),
+                ..Catalog::default()
+            })),
             segments,
             active,
             group: Vec::new(),
             pending: Vec::new(),
             models,
             min_live,
-            meta_pending: false,
+            meta_pending: fresh,
+            index_dirty: false,
         };
-        let from = match checkpoint {
-            Some(at) if !fresh && !orphaned => at,
-            // A new or lost index: every segment is read into it.
-            _ => (0, 0),
-        };
-        // A fresh index gets its format with its first batch, not now: a
-        // write to sled starts its seven I/O threads (issue 43: they sleep
-        // since vendor/sled, but an idle node need not start them).
-        store.meta_pending = fresh || orphaned;
-        let indexed = store.replay(from)?;
+        store.min_live = min_live.max(*store.segments.keys().next().expect("the active segment is listed"));
+        store.load_sealed()?;
+        // Segments the index does not have: the one that was active when
+        // the node stopped, or all of them for a new or lost index.
+        let unsealed: Vec<u64> =
+            store.segments.iter().filter(|(i, s)| **i != id && s.sealed.is_none()).map(|(i, _)| *i).collect();
+        let mut indexed = 0;
+        for segment in unsealed {
+            indexed += store.seal_from_file(segment)?;
+        }
         if indexed > 0 {
-            tracing::info!("disk cache: indexed {indexed} answers written after the last checkpoint");
+            tracing::info!("disk cache: indexed {indexed} answers of segments the index did not have");
         }
         Ok(store)
     }
 
-    /// The format and the figures of an empty index.
-    fn write_meta(&mut self) -> Result<(), StoreError> {
-        let mut batch = sled::Batch::default();
-        self.meta(&mut batch);
-        self.db.apply_batch(batch)?;
+    /// The sealed segments' figures and filters; those of segments whose
+    /// file is gone (a purge cut short, a file removed by hand) are dropped.
+    fn load_sealed(&mut self) -> Result<(), StoreError> {
+        let mut orphans = Vec::new();
+        for item in self.db.scan_prefix(index::all_sealed()) {
+            let (k, v) = item?;
+            let (Some(id), Some(sealed)) = (index::segment_of(&k), Sealed::decode(&v)) else { continue };
+            match self.segments.get_mut(&id) {
+                Some(segment) if id != self.active.id => {
+                    segment.max_expires_at_ms = sealed.max_expires_at_ms;
+                    segment.sealed = Some(sealed);
+                    let filter = self.db.get(index::filter_key(id))?.and_then(SegmentFilter::load);
+                    self.catalog_mut().sealed.insert(id, SealedView { buckets: sealed.buckets, filter });
+                }
+                _ => orphans.push((id, sealed)),
+            }
+        }
+        for (id, sealed) in orphans {
+            let mut batch = sled::Batch::default();
+            self.unindex(&mut batch, id, sealed);
+            self.apply(batch)?;
+        }
         Ok(())
+    }
+
+    fn apply(&mut self, batch: sled::Batch) -> Result<(), StoreError> {
+        self.db.apply_batch(batch)?;
+        self.index_dirty = true;
+        Ok(())
+    }
+
+    fn catalog_mut(&self) -> RwLockWriteGuard<'_, Catalog> {
+        self.catalog.write().unwrap_or_else(|e| e.into_inner())
     }
 
     fn meta(&mut self, batch: &mut sled::Batch) {
         batch.insert(index::FORMAT, &index::FORMAT_VERSION.to_be_bytes()[..]);
         batch.insert(index::NEXT_MODEL, &self.next_model.to_be_bytes()[..]);
-        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         batch.insert(index::MIN_LIVE, &self.min_live.to_be_bytes()[..]);
-        batch.insert(index::BUCKETS, &self.buckets.to_be_bytes()[..]);
+        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
         self.meta_pending = false;
     }
 
-    /// Indexes the records after `from` (segment, offset) in the segments
-    /// before the active one: the later of two records of a key wins, and
-    /// an expired one is left out. Answers how many entries it wrote.
-    fn replay(&mut self, from: (u64, u64)) -> Result<u64, StoreError> {
+    /// Reads a segment the index does not have and seals it: its live
+    /// records (the later of two of a key wins, an expired one is left
+    /// out). Answers how many entries it indexed.
+    fn seal_from_file(&mut self, id: u64) -> Result<u64, StoreError> {
         let now = crate::telemetry::unix_now_ms();
-        let ids: Vec<u64> = self.segments.range(from.0..self.active.id).map(|(id, _)| *id).collect();
-        let mut indexed = 0;
-        for id in ids {
-            let bytes = match vlog::read(&self.dir, id) {
-                Ok(bytes) => bytes,
-                Err(e) => {
-                    tracing::warn!("disk cache: {e}; its answers are not served");
-                    continue;
-                }
-            };
-            let start = if id == from.0 { from.1 } else { 0 };
-            let mut found = Vec::new();
-            let mut end = start.max(vlog::HEADER_LEN);
-            for (offset, len, record) in vlog::records(&bytes, start) {
-                end = offset + len as u64;
-                let segment = self.segments.get_mut(&id).expect("listed");
-                segment.max_expires_at_ms = segment.max_expires_at_ms.max(record.expires_at_ms);
-                if record.expires_at_ms <= now {
-                    continue;
-                }
-                let model_id = self.model_id(&record.model)?;
-                found.push(((model_id, record.key), Location { segment: id, offset: offset as u32, len }));
+        let bytes = match vlog::read(&self.dir, id) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // Sealed empty, so that it is not read again; evicted in turn.
+                tracing::warn!("disk cache: {e}; its answers are not served");
+                self.seal(id, Vec::new(), 0)?;
+                return Ok(0);
             }
-            if !found.is_empty() || end > start.max(vlog::HEADER_LEN) {
-                indexed += self.index(&found, (id, end), true)?;
+        };
+        let mut found: HashMap<(u32, u64), Location> = HashMap::new();
+        let mut max_expires_at_ms = 0;
+        for (offset, len, record) in vlog::records(&bytes, 0) {
+            max_expires_at_ms = max_expires_at_ms.max(record.expires_at_ms);
+            if record.expires_at_ms <= now {
+                continue;
             }
+            let model_id = self.model_id(&record.model)?;
+            let at = Location { segment: id, offset: offset as u32, len };
+            found.insert((model_id, index::hash(model_id, &record.key)), at);
         }
+        let entries: Vec<Pending> = found.into_iter().map(|((m, h), at)| (m, h, at)).collect();
+        let indexed = entries.len() as u64;
+        self.seal(id, entries, max_expires_at_ms)?;
         Ok(indexed)
     }
 
-    /// Writes `items` to the index in one batch with the entry count, the
-    /// checkpoint and that segment's latest expiry. `newer_only`: an entry
-    /// that already points later in the log stays (a replay).
-    fn index(
-        &mut self,
-        items: &[(Entry, Location)],
-        checkpoint: (u64, u64),
-        newer_only: bool,
-    ) -> Result<u64, StoreError> {
+    /// Writes a segment's entries, filter and figures to the index in one
+    /// batch, then hands them to the catalog for reads.
+    fn seal(&mut self, id: u64, entries: Vec<Pending>, max_expires_at_ms: u64) -> Result<(), StoreError> {
         let mut batch = sled::Batch::default();
         if self.meta_pending {
             self.meta(&mut batch);
         }
-        let mut touched: HashMap<[u8; 5], Bucket> = HashMap::new();
-        let mut written = 0;
-        for ((model_id, key), at) in items {
-            let bucket = self.bucket(&mut touched, key)?;
-            if newer_only && bucket.get(*model_id, key).is_some_and(|c| c.place() >= at.place()) {
-                continue;
+        let count = entries.len() as u64;
+        let buckets = index::buckets_for(count);
+        let mut filter = None;
+        if count > 0 {
+            let mut by_bucket: Vec<Bucket> = vec![Bucket::default(); buckets as usize];
+            let mut hashes = Vec::with_capacity(entries.len());
+            for (model_id, hash, at) in entries {
+                by_bucket[index::bucket_of(hash, buckets) as usize].0.push(index::Entry {
+                    model_id,
+                    hash,
+                    offset: at.offset,
+                    len: at.len,
+                });
+                hashes.push(hash);
             }
-            self.entries += bucket.set(*model_id, key, *at).is_none() as u64;
-            written += 1;
+            for (b, bucket) in by_bucket.iter().enumerate() {
+                if !bucket.0.is_empty() {
+                    batch.insert(&index::bucket_key(id, b as u32)[..], bucket.encode());
+                }
+            }
+            if let Some(bytes) = SegmentFilter::build(hashes) {
+                let bytes = sled::IVec::from(bytes);
+                filter = SegmentFilter::load(bytes.clone());
+                batch.insert(&index::filter_key(id)[..], bytes);
+            }
         }
-        Self::write_buckets(&mut batch, touched);
+        let sealed = Sealed { max_expires_at_ms, entries: count, buckets };
+        batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
+        self.entries += count;
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
-        batch.insert(index::CHECKPOINT, &index::checkpoint(checkpoint.0, checkpoint.1)[..]);
-        if let Some(segment) = self.segments.get(&checkpoint.0) {
-            batch.insert(&index::segment_key(checkpoint.0)[..], &segment.max_expires_at_ms.to_be_bytes()[..]);
+        self.apply(batch)?;
+        if let Some(segment) = self.segments.get_mut(&id) {
+            segment.sealed = Some(sealed);
+            segment.max_expires_at_ms = max_expires_at_ms;
         }
-        self.db.apply_batch(batch)?;
-        Ok(written)
+        self.catalog_mut().sealed.insert(id, SealedView { buckets, filter });
+        Ok(())
     }
 
-    /// The bucket `key` falls in, read once into `touched` and changed there.
-    fn bucket<'a>(
-        &self,
-        touched: &'a mut HashMap<[u8; 5], Bucket>,
-        key: &Key,
-    ) -> Result<&'a mut Bucket, StoreError> {
-        Ok(match touched.entry(index::bucket_key(self.buckets, key)) {
-            std::collections::hash_map::Entry::Occupied(bucket) => bucket.into_mut(),
-            std::collections::hash_map::Entry::Vacant(place) => {
-                let read = self.db.get(place.key())?;
-                place.insert(read.map(|v| Bucket::decode(&v)).unwrap_or_default())
-            }
-        })
-    }
-
-    /// Writes the buckets back in `batch`, an emptied one removed.
-    fn write_buckets(batch: &mut sled::Batch, touched: HashMap<[u8; 5], Bucket>) {
-        for (k, bucket) in touched {
-            match bucket.len() {
-                0 => batch.remove(&k[..]),
-                _ => batch.insert(&k[..], bucket.encode()),
-            }
+    /// Removes a sealed segment's entries, filter and figures in `batch`.
+    fn unindex(&mut self, batch: &mut sled::Batch, id: u64, sealed: Sealed) {
+        for b in 0..sealed.buckets {
+            batch.remove(&index::bucket_key(id, b)[..]);
         }
+        batch.remove(&index::filter_key(id)[..]);
+        batch.remove(&index::sealed_key(id)[..]);
+        self.entries = self.entries.saturating_sub(sealed.entries);
+        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
     }
 
     /// The id of `model`'s entries, given one on first use.
@@ -302,28 +332,30 @@ impl Store {
         let mut batch = sled::Batch::default();
         batch.insert(index::model_key(model), &id.to_be_bytes()[..]);
         batch.insert(index::NEXT_MODEL, &self.next_model.to_be_bytes()[..]);
-        self.db.apply_batch(batch)?;
+        self.apply(batch)?;
         self.models.insert(model.to_string(), id);
+        self.catalog_mut().models.insert(model.to_string(), id);
         Ok(id)
     }
 
     /// What the bound counts: the live segments' bytes and each entry's
     /// charge for the index.
     pub fn bytes(&self) -> u64 {
-        self.log_bytes + (self.entries + self.pending.len() as u64) * INDEX_CHARGE
+        self.log_bytes + (self.entries() + self.pending.len() as u64) * INDEX_CHARGE
     }
 
+    /// Entries a read can find: the sealed segments' and the active one's.
     pub fn entries(&self) -> u64 {
-        self.entries
+        self.entries + self.active.entries
     }
 
     pub fn min_live(&self) -> u64 {
         self.min_live
     }
 
-    /// The index, for the reader.
-    pub fn index_tree(&self) -> sled::Tree {
-        (*self.db).clone()
+    /// The index, for the reader: sled's tree and the catalog beside it.
+    pub fn index_view(&self) -> (sled::Tree, Arc<RwLock<Catalog>>) {
+        ((*self.db).clone(), self.catalog.clone())
     }
 
     /// What sled's files take.
@@ -334,11 +366,10 @@ impl Store {
     /// The index's files outgrew four times what it holds (and a floor:
     /// sled's own for a fresh store is a few of its 512 KiB segments, and
     /// `at_least`, twice what the last rebuild left): time to build it
-    /// again from the segments. Four times its entries is what
-    /// `INDEX_CHARGE` counts against the bound.
+    /// again from the segments.
     pub fn index_outgrown(&self, at_least: u64) -> bool {
         let floor = (self.capacity / 16).clamp(2 << 20, 16 << 20);
-        let held = self.entries * index::ENTRY_LEN as u64 + self.buckets as u64 * 32;
+        let held = self.entries * INDEX_CHARGE / 2;
         self.index_bytes() > (4 * held).max(floor).max(at_least)
     }
 
@@ -374,7 +405,7 @@ impl Store {
         let offset = self.active_bytes();
         vlog::encode(&mut self.group, model, key, stored_at_ms, expires_at_ms, body);
         let at = Location { segment: self.active.id, offset: offset as u32, len: len as u32 };
-        self.pending.push(((model_id, *key), at));
+        self.pending.push((model_id, index::hash(model_id, key), at));
         let segment = self.segments.get_mut(&self.active.id).expect("the active segment is listed");
         segment.bytes += len as u64;
         segment.max_expires_at_ms = segment.max_expires_at_ms.max(expires_at_ms);
@@ -387,7 +418,8 @@ impl Store {
         self.pending.len()
     }
 
-    /// Writes the group to the active segment, then indexes it: data first.
+    /// Writes the group to the active segment, then lets reads find it:
+    /// data first.
     pub fn commit(&mut self) -> Result<(), StoreError> {
         if self.group.is_empty() {
             return Ok(());
@@ -396,7 +428,10 @@ impl Store {
         self.active.len += self.group.len() as u64;
         self.group.clear();
         let pending = std::mem::take(&mut self.pending);
-        self.index(&pending, (self.active.id, self.active.len), false)?;
+        let mut catalog = self.catalog.write().unwrap_or_else(|e| e.into_inner());
+        for (model_id, hash, at) in pending {
+            self.active.entries += catalog.active.insert((model_id, hash), at).is_none() as u64;
+        }
         Ok(())
     }
 
@@ -404,16 +439,34 @@ impl Store {
     pub fn flush(&mut self) -> Result<(), StoreError> {
         self.commit()?;
         self.active.file.sync_data()?;
-        self.db.flush()?;
+        if std::mem::take(&mut self.index_dirty) {
+            self.db.flush()?;
+        }
         Ok(())
     }
 
+    /// Seals the active segment and starts the next.
     fn rotate(&mut self) -> Result<(), StoreError> {
         self.commit()?;
-        let id = self.active.id + 1;
-        let file = vlog::create(&self.dir, id)?;
-        self.active = Active { id, file, len: vlog::HEADER_LEN };
-        self.segments.insert(id, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0 });
+        let id = self.active.id;
+        let entries: Vec<Pending> = {
+            let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+            catalog.active.iter().map(|((m, h), at)| (*m, *h, *at)).collect()
+        };
+        let max_expires_at_ms = self.segments.get(&id).map_or(0, |s| s.max_expires_at_ms);
+        // The records before their entries: a crash between the two
+        // seals the segment again at the next open.
+        self.active.file.sync_data()?;
+        self.seal(id, entries, max_expires_at_ms)?;
+        let next = id + 1;
+        let file = vlog::create(&self.dir, next)?;
+        self.active = Active { id: next, file, len: vlog::HEADER_LEN, entries: 0 };
+        {
+            let mut catalog = self.catalog_mut();
+            catalog.active.clear();
+            catalog.active_id = next;
+        }
+        self.segments.insert(next, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
         self.log_bytes += vlog::HEADER_LEN;
         Ok(())
     }
@@ -434,31 +487,18 @@ impl Store {
         Ok(())
     }
 
-    /// Drops the oldest segment whole: its entries and the watermark in
-    /// one batch, on disk before the file goes.
+    /// Drops a sealed segment whole: its entries and the watermark in one
+    /// batch, on disk before the file goes.
     fn evict(&mut self, id: u64) -> Result<(), StoreError> {
-        self.commit()?;
-        let mut touched = HashMap::new();
-        let mut removed = 0;
-        match vlog::read(&self.dir, id) {
-            Ok(bytes) => {
-                for (_, _, record) in vlog::records(&bytes, 0) {
-                    self.bucket(&mut touched, &record.key)?;
-                }
-                for bucket in touched.values_mut() {
-                    removed += bucket.remove(|_, at| at.segment == id);
-                }
-            }
-            // Its entries, if any, point at nothing now: misses, removed when read.
-            Err(e) => tracing::warn!("disk cache: evicting {e}"),
-        }
+        let sealed = self.segments.get(&id).and_then(|s| s.sealed);
+        let removed = sealed.map_or(0, |s| s.entries);
+        self.catalog_mut().sealed.remove(&id);
         let mut batch = sled::Batch::default();
-        Self::write_buckets(&mut batch, touched);
-        self.entries = self.entries.saturating_sub(removed);
-        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
+        if let Some(sealed) = sealed {
+            self.unindex(&mut batch, id, sealed);
+        }
         batch.insert(index::MIN_LIVE, &(id + 1).to_be_bytes()[..]);
-        batch.remove(&index::segment_key(id)[..]);
-        self.db.apply_batch(batch)?;
+        self.apply(batch)?;
         self.db.flush()?;
         remove_segment(&self.dir, id)?;
         self.min_live = id + 1;
@@ -471,7 +511,6 @@ impl Store {
 
     /// Drops the oldest segments whose every answer has expired.
     pub fn sweep(&mut self, now_ms: u64) -> Result<(), StoreError> {
-        self.commit()?;
         while let Some((&id, segment)) = self.segments.iter().next() {
             if id == self.active.id || segment.max_expires_at_ms > now_ms {
                 break;
@@ -485,16 +524,36 @@ impl Store {
     /// dangling one a read found).
     pub fn remove(&mut self, model: &str, key: &Key, at: Location) -> Result<(), StoreError> {
         let Some(&model_id) = self.models.get(model) else { return Ok(()) };
-        self.commit()?;
-        let mut touched = HashMap::new();
-        let removed = self.bucket(&mut touched, key)?.remove(|m, here| m == model_id && here == at);
-        if removed > 0 {
-            self.entries = self.entries.saturating_sub(removed);
-            let mut batch = sled::Batch::default();
-            Self::write_buckets(&mut batch, touched);
-            batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
-            self.db.apply_batch(batch)?;
+        let hash = index::hash(model_id, key);
+        if at.segment == self.active.id {
+            self.commit()?;
+            let mut catalog = self.catalog.write().unwrap_or_else(|e| e.into_inner());
+            if catalog.active.get(&(model_id, hash)) == Some(&at) {
+                catalog.active.remove(&(model_id, hash));
+                self.active.entries -= 1;
+            }
+            return Ok(());
         }
+        let Some(mut sealed) = self.segments.get(&at.segment).and_then(|s| s.sealed) else { return Ok(()) };
+        let k = index::bucket_key(at.segment, index::bucket_of(hash, sealed.buckets));
+        let Some(value) = self.db.get(k)? else { return Ok(()) };
+        let mut bucket = Bucket::decode(&value);
+        let before = bucket.0.len();
+        bucket.0.retain(|e| !(e.model_id == model_id && e.hash == hash && e.offset == at.offset));
+        if bucket.0.len() == before {
+            return Ok(());
+        }
+        let mut batch = sled::Batch::default();
+        match bucket.0.is_empty() {
+            true => batch.remove(&k[..]),
+            false => batch.insert(&k[..], bucket.encode()),
+        }
+        sealed.entries -= 1;
+        self.entries = self.entries.saturating_sub(1);
+        batch.insert(&index::sealed_key(at.segment)[..], &sealed.encode()[..]);
+        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
+        self.apply(batch)?;
+        self.segments.get_mut(&at.segment).expect("looked up above").sealed = Some(sealed);
         Ok(())
     }
 
@@ -504,30 +563,54 @@ impl Store {
         let removed = match model {
             Some(model) => {
                 let Some(&model_id) = self.models.get(model) else { return Ok(0) };
+                // The active segment's entries live only in the catalog and
+                // its records would be indexed again from the file at the
+                // next open: sealed first, its entries are purged below
+                // like every other segment's.
+                let in_active = self
+                    .catalog
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .active
+                    .keys()
+                    .any(|(m, _)| *m == model_id);
+                if in_active {
+                    self.rotate()?;
+                }
                 let mut batch = sled::Batch::default();
-                let mut removed = 0;
+                let mut gone_from: HashMap<u64, u64> = HashMap::new();
                 for item in self.db.scan_prefix(index::all_buckets()) {
                     let (k, v) = item?;
                     let mut bucket = Bucket::decode(&v);
-                    let gone = bucket.remove(|m, _| m == model_id);
+                    let before = bucket.0.len();
+                    bucket.0.retain(|e| e.model_id != model_id);
+                    let gone = (before - bucket.0.len()) as u64;
                     if gone > 0 {
-                        removed += gone;
-                        match bucket.len() {
-                            0 => batch.remove(k),
-                            _ => batch.insert(k, bucket.encode()),
+                        *gone_from.entry(index::segment_of(&k).unwrap_or(0)).or_default() += gone;
+                        match bucket.0.is_empty() {
+                            true => batch.remove(k),
+                            false => batch.insert(k, bucket.encode()),
                         }
                     }
                 }
+                let mut removed = 0;
+                for (id, gone) in gone_from {
+                    let Some(segment) = self.segments.get_mut(&id) else { continue };
+                    let Some(sealed) = segment.sealed.as_mut() else { continue };
+                    sealed.entries = sealed.entries.saturating_sub(gone);
+                    batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
+                    removed += gone;
+                }
                 self.entries = self.entries.saturating_sub(removed);
                 batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
-                self.db.apply_batch(batch)?;
+                self.apply(batch)?;
                 removed
             }
             None => {
-                // The files first: an index left without segments is
-                // cleared at the next open, while segments left without
-                // an index would be read back into one.
-                let removed = self.entries;
+                // The files first: sealed figures left without their
+                // segments are dropped at the next open, while segments
+                // left without an index would be read back into one.
+                let removed = self.entries();
                 let next = self.active.id + 1;
                 for id in self.segments.keys() {
                     remove_segment(&self.dir, *id)?;
@@ -536,10 +619,18 @@ impl Store {
                 (self.entries, self.min_live, self.log_bytes) = (0, next, vlog::HEADER_LEN);
                 self.segments.clear();
                 self.models.clear();
-                self.active =
-                    Active { id: next, file: vlog::create(&self.dir, next)?, len: vlog::HEADER_LEN };
-                self.segments.insert(next, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0 });
-                self.write_meta()?;
+                self.active = Active {
+                    id: next,
+                    file: vlog::create(&self.dir, next)?,
+                    len: vlog::HEADER_LEN,
+                    entries: 0,
+                };
+                self.segments
+                    .insert(next, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
+                *self.catalog_mut() = Catalog { active_id: next, ..Catalog::default() };
+                let mut batch = sled::Batch::default();
+                self.meta(&mut batch);
+                self.apply(batch)?;
                 removed
             }
         };
@@ -554,9 +645,22 @@ impl Store {
         let mut report = CheckReport::default();
         if repair {
             self.db.clear()?;
-            (self.entries, self.models) = (0, HashMap::new());
-            self.write_meta()?;
-            report.reindexed = self.replay((0, 0))?;
+            (self.entries, self.models, self.next_model) = (0, HashMap::new(), 0);
+            self.meta_pending = true;
+            {
+                let mut catalog = self.catalog_mut();
+                catalog.sealed.clear();
+                catalog.models.clear();
+            }
+            let ids: Vec<u64> = self.segments.keys().copied().filter(|id| *id != self.active.id).collect();
+            for id in ids {
+                report.reindexed += self.seal_from_file(id)?;
+            }
+            if self.meta_pending {
+                let mut batch = sled::Batch::default();
+                self.meta(&mut batch);
+                self.apply(batch)?;
+            }
             self.flush()?;
         }
         for (&id, segment) in &self.segments {
@@ -576,20 +680,28 @@ impl Store {
             report.torn_tails += (end < segment.bytes.min(bytes.len() as u64)) as u64;
         }
         let mut files: HashMap<u64, Option<File>> = HashMap::new();
+        let mut intact = |at: Location| {
+            let file =
+                files.entry(at.segment).or_insert_with(|| File::open(vlog::path(&self.dir, at.segment)).ok());
+            let mut buf = vec![0u8; at.len as usize];
+            file.as_ref().is_some_and(|f| f.read_exact_at(&mut buf, at.offset as u64).is_ok())
+                && vlog::decode(&buf).is_some()
+        };
         for item in self.db.scan_prefix(index::all_buckets()) {
-            for at in Bucket::decode(&item?.1).locations() {
+            let (k, v) = item?;
+            let segment = index::segment_of(&k).unwrap_or(0);
+            for e in Bucket::decode(&v).0 {
                 report.entries += 1;
-                let file = files
-                    .entry(at.segment)
-                    .or_insert_with(|| File::open(vlog::path(&self.dir, at.segment)).ok());
-                let mut buf = vec![0u8; at.len as usize];
-                let intact =
-                    file.as_ref().is_some_and(|f| f.read_exact_at(&mut buf, at.offset as u64).is_ok())
-                        && vlog::decode(&buf).is_some();
-                report.dangling += !intact as u64;
+                report.dangling += !intact(Location { segment, offset: e.offset, len: e.len }) as u64;
             }
         }
-        report.counted = self.entries;
+        let active: Vec<Location> =
+            self.catalog.read().unwrap_or_else(|e| e.into_inner()).active.values().copied().collect();
+        for at in active {
+            report.entries += 1;
+            report.dangling += !intact(at) as u64;
+        }
+        report.counted = self.entries();
         Ok(report)
     }
 }

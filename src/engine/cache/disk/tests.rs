@@ -186,6 +186,24 @@ fn counts_survive_a_reopen_and_purge_by_model_leaves_the_others() {
     assert_eq!(segments(dir.path()).len(), 1, "only the new active segment is left");
 }
 
+/// The active segment's entries are only in memory until it is sealed: a
+/// purge there must not come back from the file at the next open.
+#[test]
+fn answers_purged_from_the_active_segment_stay_gone_after_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = open(dir.path(), 1 << 20);
+    for i in 0..6 {
+        disk.put(if i % 2 == 0 { "a" } else { "b" }, key(i), 10, u64::MAX, body(i));
+    }
+    rt().block_on(disk.flush());
+    assert_eq!(rt().block_on(disk.purge(Some("a"))), Ok(3));
+    assert_eq!((hit(&disk, "a", 0), hit(&disk, "b", 1)), (None, Some(body(1))));
+    closed(disk);
+    let disk = open(dir.path(), 1 << 20);
+    assert_eq!(disk.stats().entries, 3, "{:?}", disk.stats());
+    assert_eq!((hit(&disk, "a", 0), hit(&disk, "a", 2), hit(&disk, "b", 3)), (None, None, Some(body(3))));
+}
+
 /// Crash test 1: a segment's tail torn at every byte of its last record.
 #[test]
 fn a_torn_tail_keeps_the_records_before_it_and_new_writes_go_to_a_new_segment() {
@@ -217,15 +235,18 @@ fn a_torn_tail_keeps_the_records_before_it_and_new_writes_go_to_a_new_segment() 
 fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
     filled(dir.path(), 1 << 20, 3);
+    // Reopened, the segment the handle wrote is sealed into sled.
     let mut store = store(dir.path(), 1 << 20);
-    let tree = store.index_tree();
+    let (tree, catalog) = store.index_view();
     let model_id = index::u32_of(tree.get(index::model_key("m")).unwrap()).unwrap();
-    let buckets = index::u32_of(tree.get(index::BUCKETS).unwrap()).unwrap();
-    let at = |i| index::get(&tree, buckets, model_id, &key(i)).unwrap().unwrap();
-    let point = |i, to| {
-        let k = index::bucket_key(buckets, &key(i));
+    let at = |i| index::lookup(&tree, &catalog, model_id, &key(i)).unwrap().unwrap();
+    let point = |i, to: Location| {
+        let hash = index::hash(model_id, &key(i));
+        let buckets = catalog.read().unwrap().sealed[&to.segment].buckets;
+        let k = index::bucket_key(to.segment, index::bucket_of(hash, buckets));
         let mut bucket = index::Bucket::decode(&tree.get(k).unwrap().unwrap());
-        bucket.set(model_id, &key(i), to);
+        let entry = bucket.0.iter_mut().find(|e| e.hash == hash).unwrap();
+        (entry.offset, entry.len) = (to.offset, to.len);
         tree.insert(k, bucket.encode()).unwrap();
     };
     let (zero, one) = (at(0), at(1));
@@ -233,7 +254,7 @@ fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
     point(1, Location { offset: one.offset + 1_000_000, ..one });
     assert!(zero != one);
     store.flush().unwrap();
-    drop((tree, store));
+    drop((tree, catalog, store));
     let disk = open(dir.path(), 1 << 20);
     assert_eq!(hit(&disk, "m", 0), None, "key 0 pointing at key 1's record");
     assert_eq!(hit(&disk, "m", 1), None, "key 1 pointing past the end");
@@ -242,28 +263,25 @@ fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
     assert_eq!(disk.stats().entries, 1, "both bad entries were removed");
 }
 
-/// Crash test 3: records on disk whose index batch was lost (the crash
-/// came before sled flushed) are indexed again from the checkpoint.
+/// Crash test 3: records on disk whose segment was never sealed into the
+/// index (the node stopped first) are indexed at the next open, and the
+/// later record of a key wins.
 #[test]
-fn records_written_after_the_checkpoint_are_indexed_at_the_next_open() {
+fn records_of_a_segment_never_sealed_are_indexed_at_the_next_open() {
     let dir = tempfile::tempdir().unwrap();
     filled(dir.path(), 1 << 20, 1);
-    // What the index held before the next two writes, then the writes.
     let mut store = store(dir.path(), 1 << 20);
-    let tree = store.index_tree();
-    let before: Vec<_> = tree.iter().map(|kv| kv.unwrap()).collect();
     store.put("m", &key(1), 10, u64::MAX, &body(1)).unwrap();
     store.put("m", &key(0), 10, u64::MAX, &body(100)).unwrap();
     store.flush().unwrap();
-    // The index as a crash before its flush would leave it.
-    tree.clear().unwrap();
-    for (k, v) in before {
-        tree.insert(k, v).unwrap();
-    }
-    store.flush().unwrap();
-    drop((tree, store));
+    assert_eq!(store.entries(), 3, "key 0 counts in the sealed segment and the active one");
+    let sealed_before = store.index_view().1.read().unwrap().sealed.len();
+    // Dropped as a crash would leave it: nothing seals on the way out.
+    drop(store);
     let disk = open(dir.path(), 1 << 20);
-    assert_eq!(disk.stats().entries, 2, "{:?}", disk.stats());
+    let (_, catalog) = disk.shared.index().unwrap();
+    assert_eq!(catalog.read().unwrap().sealed.len(), sealed_before + 1, "the unsealed segment was sealed");
+    assert_eq!(disk.stats().entries, 3, "{:?}", disk.stats());
     assert_eq!(hit(&disk, "m", 1), Some(body(1)));
     assert_eq!(hit(&disk, "m", 0), Some(body(100)), "the later record of a key wins");
 }
@@ -304,7 +322,7 @@ fn a_damaged_index_is_moved_aside_and_rebuilt_and_cache_check_repairs_a_count() 
     closed(disk);
     // A count gone wrong (an index from a backup): check finds it, repair mends it.
     let mut store = store(dir.path(), 1 << 20);
-    store.index_tree().insert(index::ENTRIES, &7u64.to_be_bytes()[..]).unwrap();
+    store.index_view().0.insert(index::ENTRIES, &7u64.to_be_bytes()[..]).unwrap();
     store.flush().unwrap();
     drop(store);
     let path = dir.path().join("cache");
@@ -380,4 +398,30 @@ fn an_index_whose_files_outgrow_the_segments_is_built_again_from_them() {
     assert!(rebuilds >= 1, "the index was never rebuilt");
     assert!(peak <= 4 * capacity, "the files took {peak} bytes for a {capacity}-byte bound");
     assert_eq!(hit(&disk, "m", 119_999), Some(body(119_999)));
+}
+
+/// A lookup the index cannot hold is a miss on the asking thread; one it
+/// holds, in the active segment or a sealed one, goes to the reader.
+#[test]
+fn the_catalog_says_no_for_absent_keys_and_never_for_stored_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = open(dir.path(), 1 << 20);
+    for i in 0..500 {
+        disk.put("m", key(i), 10, u64::MAX, body(i));
+    }
+    rt().block_on(disk.flush());
+    let (_, catalog) = disk.shared.index().unwrap();
+    assert!((0..500).all(|i| !index::certainly_absent(&catalog, "m", &key(i))), "the active segment's");
+    assert!(index::certainly_absent(&catalog, "other", &key(1)), "a model never stored");
+    closed(disk);
+    let disk = open(dir.path(), 1 << 20);
+    let (_, catalog) = disk.shared.index().unwrap();
+    let sealed = catalog.read().unwrap().sealed.len();
+    assert!(catalog.read().unwrap().active.is_empty() && sealed > 1, "{sealed} sealed segments");
+    assert!((0..500).all(|i| !index::certainly_absent(&catalog, "m", &key(i))), "a sealed segment's");
+    let said_maybe = (10_000..20_000).filter(|i| !index::certainly_absent(&catalog, "m", &key(*i))).count();
+    // About 0.4% per segment's filter.
+    assert!(said_maybe < 100 * sealed, "{said_maybe} of 10,000 absent keys may be held, {sealed} segments");
+    assert_eq!(hit(&disk, "m", 7), Some(body(7)));
+    assert_eq!(hit(&disk, "m", 10_007), None);
 }

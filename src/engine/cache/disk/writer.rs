@@ -1,8 +1,9 @@
 //! The one owner of every write to the disk layer: a thread that drains
-//! its queue in groups (each group one append), indexes them in one sled
-//! batch per 256 answers or 5 ms, flushes
-//! a while after the first unflushed write, sweeps expired segments, and
-//! reopens the store after an error until a probe write succeeds.
+//! its queue in groups, appends them per 256 answers or 5 ms (one write
+//! each, then the catalog, where reads find them), seals a segment into
+//! the index once it is full, flushes a while after the first unflushed
+//! write, sweeps expired segments, and reopens the store after an error
+//! until a probe write succeeds.
 
 use super::store::{Store, StoreError};
 use super::{Op, Shared, WRITE_FAILED};
@@ -23,11 +24,10 @@ const PROBE_MAX: Duration = Duration::from_secs(30);
 const FLUSH_AFTER: Duration = Duration::from_millis(500);
 /// Most ops taken into one group before it is written.
 const GROUP: usize = 1024;
-/// How long appended answers may wait to be indexed in one batch with
-/// those that follow. Every sled batch seals sled's write buffer and hands
-/// it to sled's I/O threads, so a batch per wake (one or two answers at
-/// 2,000 req/s) cost far more than the answers (issue 37's write figure).
-/// Until indexed, an answer is served from the memory layer, or computed.
+/// How long appended answers may wait to be written in one `write` with
+/// those that follow: at 2,000 req/s a wake holds one or two, and a system
+/// call and the catalog's lock per answer cost more than the answer.
+/// Until written, an answer is served from the memory layer, or computed.
 const COMMIT_AFTER: Duration = Duration::from_millis(5);
 /// Answers that make a batch worth writing at once.
 const COMMIT_AT: usize = 256;
@@ -211,7 +211,7 @@ impl Writer {
     }
 
     fn install(&mut self, store: Store) {
-        self.shared.set_index(Some(store.index_tree()));
+        self.shared.set_index(Some(store.index_view()));
         self.shared.min_live.store(store.min_live(), Ordering::Relaxed);
         self.shared.size_on_disk.store(store.size_on_disk(), Ordering::Relaxed);
         self.store = Some(store);
