@@ -1,10 +1,11 @@
 //! `edgeinfer serve --config FILE`: TOML, every key defaulted, and
 //! `EDGEINFER_<SECTION>__<KEY>` environment variables over the file.
 
+pub mod reference;
 mod rollout;
 
 pub use rollout::{AutoRollout, OnInconclusive, RolloutMode, RolloutPolicy};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -16,9 +17,12 @@ pub enum ConfigError {
     Syntax { path: PathBuf, message: String },
     #[error("config key {key}: {message}")]
     Key { key: String, message: String },
+    /// More than one key is wrong: all of them, so one edit fixes the file.
+    #[error("{} config mistakes:{}", .0.len(), .0.iter().map(|(k, m)| format!("\n  config key {k}: {m}")).collect::<String>())]
+    Keys(Vec<(String, String)>),
 }
 
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub node: NodeConfig,
@@ -36,24 +40,29 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct NodeConfig {
-    /// NODE in topics; default: the host name.
+    /// NODE in topics and `parameters.node` in replies.
     pub id: String,
-    /// Default `./models`, or `/usr/share/edgeinfer/models` under systemd.
+    /// The models directory: MODELS_DIR/NAME/VERSION/ holds model.onnx
+    /// and model.toml.
     pub models_dir: PathBuf,
-    /// Default `$STATE_DIRECTORY`, else `./state`.
+    /// Where the node keeps what outlives it: the disk cache, the cloud
+    /// spool, the deployment state and the capture.
     pub state_dir: PathBuf,
     /// On SIGTERM, how long requests in flight may take to finish; the rest
     /// stay unacknowledged with the broker, which redelivers them.
     pub drain_timeout_s: u64,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MqttConfig {
+    /// The broker: `mqtt://HOST:PORT`, or `mqtts://HOST:PORT` for TLS.
     pub url: String,
+    /// Start an in-process MQTT broker on `embedded_listen` (a node with
+    /// no config file and nothing listening on `url` starts one anyway).
     pub embedded_broker: bool,
     /// Where the embedded broker takes MQTT 5 clients; default: the url's
     /// address, which must then be loopback.
@@ -61,14 +70,18 @@ pub struct MqttConfig {
     /// The embedded broker's MQTT 3.1.1 listener (rumqttd serves each protocol
     /// version on its own port); default: none.
     pub embedded_v311_listen: Option<String>,
+    /// PREFIX, the first level of every topic the node uses.
     pub topic_prefix: String,
+    /// The share group (`$share/GROUP/PREFIX/infer/+`) the nodes of a site
+    /// take requests from.
     pub share_group: String,
     /// Client id; fixed so the broker keeps the session (and the requests
     /// that arrive while the node restarts). Default `edgeinfer-NODE`.
     pub client_id: Option<String>,
     /// How long the broker keeps the session while the node is away.
     pub session_expiry_s: u32,
-    /// At least 5 (rumqttc's floor).
+    /// Keep alive of the node's connection, 5 to 65535 seconds (5 is the
+    /// MQTT client's floor).
     pub keep_alive_s: u16,
     /// The share group's own connection (`transport/mqtt/share.rs`): how
     /// long the broker keeps its session, and with it the node's place in
@@ -79,14 +92,17 @@ pub struct MqttConfig {
     /// a TCP reset leaves the group after 1.5 times this plus
     /// `share_session_expiry_s`.
     pub share_keep_alive_s: u16,
+    /// User name for the broker's login.
     pub username: Option<String>,
     /// Prefer `password_file` or `EDGEINFER_MQTT__PASSWORD`; never logged.
     pub password: Option<Secret>,
+    /// A file holding the broker password (its first line); never logged.
     pub password_file: Option<PathBuf>,
     /// PEM CA bundle for mqtts://; default: the system's roots.
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate and key for mutual TLS.
     pub client_cert_file: Option<PathBuf>,
+    /// The PEM private key of `client_cert_file`.
     pub client_key_file: Option<PathBuf>,
     /// Requests processed at once; beyond it the node answers `overloaded`.
     pub max_in_flight: usize,
@@ -101,13 +117,28 @@ pub struct MqttConfig {
 #[serde(transparent)]
 pub struct Secret(pub String);
 
+/// `config print` shows that a secret is set, never what it is; only
+/// `Config::to_toml_with_secrets` (comparing two configs) sees the value.
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match SHOW_SECRETS.get() {
+            true => serializer.serialize_str(&self.0),
+            false => serializer.serialize_str("<redacted>"),
+        }
+    }
+}
+
+thread_local! {
+    static SHOW_SECRETS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("\"<redacted>\"")
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
     /// `host:port` for /metrics and /v2; empty disables the HTTP server.
@@ -121,6 +152,7 @@ pub struct HttpConfig {
     pub protect_metrics: bool,
     /// PEM certificate chain and key: the listener speaks HTTPS.
     pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of `tls_cert_file`.
     pub tls_key_file: Option<PathBuf>,
     /// Connections served at once; more wait to be accepted.
     pub max_connections: usize,
@@ -133,20 +165,23 @@ pub struct HttpConfig {
 
 /// The opt-in cloud tier. With `enabled = false` (the default) nothing
 /// connects to it.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CloudConfig {
+    /// Escalate low-confidence answers to the cloud tier at `url`.
     pub enabled: bool,
     /// Base URL of an Open Inference Protocol server (`http://` or `https://`).
     pub url: String,
     /// Bearer token; prefer `token_file` or `EDGEINFER_CLOUD__TOKEN`; never logged.
     pub token: Option<Secret>,
+    /// A file holding the bearer token (instead of `token`); never logged.
     pub token_file: Option<PathBuf>,
     /// Send the token over plain `http://` anyway (a cloud tier on the
     /// same host or a trusted link); otherwise such a config is refused.
     pub allow_insecure_token: bool,
     /// PEM CA bundle for https://; default: the system's roots.
     pub ca_file: Option<PathBuf>,
+    /// The longest a connection to the cloud tier may take to open.
     pub connect_timeout_ms: u64,
     /// The longest an escalation waits for the cloud when the request gives
     /// no deadline (each attempt and all retries together).
@@ -168,6 +203,7 @@ pub struct CloudConfig {
     pub fallback: bool,
     /// Async escalations kept while the cloud is away; the oldest go first.
     pub spool_max_entries: usize,
+    /// Bytes of async escalations kept while the cloud is away.
     pub spool_max_bytes: u64,
     /// Error answers (5xx, 429) the cloud may give one spooled escalation
     /// before its device gets the edge answer as final; outages do not count.
@@ -176,7 +212,7 @@ pub struct CloudConfig {
     pub spool_max_age_s: u64,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RuntimeConfig {
     /// Batch sizes that get an optimized plan at load, ascending, starting at 1.
@@ -198,7 +234,7 @@ pub struct RuntimeConfig {
     pub latency_budget_ms: Option<f64>,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
     /// Largest request payload processed; larger ones (up to
@@ -215,7 +251,7 @@ pub struct LimitsConfig {
     pub max_rows: usize,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TelemetryConfig {
     /// Record Prometheus metrics (served on /metrics).
@@ -233,7 +269,7 @@ impl Default for TelemetryConfig {
 
 /// The response cache: a memory layer over a value log indexed by sled in
 /// `node.state_dir/cache`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheConfig {
     /// Cache replies at all (a request can still opt out with `parameters.cache = false`).
@@ -258,9 +294,10 @@ pub struct CacheConfig {
 
 /// `[cache.redis]`: a Redis shared by the nodes of a site, below memory
 /// and disk. Off by default: nothing leaves the node unless asked.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
+    /// Share answers through Redis (`url`); needs `key_file`.
     pub enabled: bool,
     /// `redis://[USER@]HOST:PORT[/DB]`, or `rediss://` for TLS (the
     /// system's roots, or `ca_file`'s).
@@ -317,23 +354,28 @@ impl Default for CacheConfig {
 /// inputs devices send may be private. When on, a sampled share of the
 /// one-row requests answered, with the answer given and the cloud's label
 /// where the cloud tier answered, go to `node.state_dir/capture.jsonl`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CaptureConfig {
+    /// Keep a sample of real inputs in `node.state_dir/capture.jsonl`.
     pub enabled: bool,
     /// The share of answered requests kept, 0 to 1.
     pub rate: f64,
-    /// The file holds at most this many records and bytes; then capture stops.
+    /// The file holds at most this many records (and `max_bytes`).
     pub max_records: u64,
+    /// The file holds at most this many bytes; capture stops at either
+    /// bound (move the file away and restart to capture more).
     pub max_bytes: u64,
 }
 
 /// `[control]`: the rollout commands over MQTT on `PREFIX/NODE/control`,
 /// for fleet managers without HTTP. Off by default; on, each command must
 /// be signed with the key in `key_file` and recent (`max_skew_s`).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ControlConfig {
+    /// Take signed rollout commands on `PREFIX/NODE/control`; off: not
+    /// subscribed.
     pub enabled: bool,
     /// A file whose first line (at least 32 bytes, used as written) is the
     /// HMAC-SHA256 key commands are signed with; it never travels.
@@ -356,9 +398,12 @@ impl Default for ControlConfig {
 /// a model's deployment state is the site's (a retained topic every node
 /// reads), one node at a time judges a rollout on the figures of all of
 /// them, and every node routes a device the same way.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SiteConfig {
+    /// One rollout per site: the deployment state on
+    /// `PREFIX/site/rollout/MODEL`, judged by one node on every node's
+    /// figures; set it on every node of a share group.
     pub rollout: bool,
     /// Keep alive of the site connection: a node that dies without a TCP
     /// reset (power, cable) leaves the site after 1.5 times this.
@@ -377,7 +422,7 @@ impl Default for CaptureConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// Model name on the cloud tier; default: the same name.
@@ -390,9 +435,12 @@ pub struct ModelConfig {
     /// `sync`: an escalated request waits for the cloud; `async`: it gets
     /// the edge answer at once (`final: false`), the cloud's follows.
     pub enrich: crate::protocol::Enrich,
-    /// Batching for this model; unset keys take the `[runtime]` ones.
+    /// This model's `runtime.max_batch`; unset batching keys take the
+    /// `[runtime]` ones.
     pub max_batch: Option<usize>,
+    /// This model's `runtime.max_delay_us`.
     pub max_delay_us: Option<u64>,
+    /// This model's `runtime.latency_budget_ms`.
     pub latency_budget_ms: Option<f64>,
     /// How long this model's answers stay cached; 0: never cache them (for a
     /// model whose answers change with time). Default: `cache.ttl_s`.
@@ -555,6 +603,29 @@ impl ConfigError {
             ConfigError::Read { .. } => "cannot read the config file".into(),
             ConfigError::Syntax { .. } => "the config file is not valid TOML".into(),
             ConfigError::Key { key, .. } => format!("config key {key} has a bad value"),
+            ConfigError::Keys(problems) => format!(
+                "config keys {} have bad values",
+                problems.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+
+    /// (key, what is wrong and what is allowed) for each mistake; a file
+    /// that cannot be read or parsed names no key.
+    pub fn problems(&self) -> Vec<(String, String)> {
+        match self {
+            ConfigError::Key { key, message } => vec![(key.clone(), message.clone())],
+            ConfigError::Keys(problems) => problems.clone(),
+            other => vec![(String::new(), other.to_string())],
+        }
+    }
+
+    fn from_problems(mut problems: Vec<(String, String)>) -> ConfigError {
+        if problems.len() == 1 {
+            let (key, message) = problems.remove(0);
+            ConfigError::Key { key, message }
+        } else {
+            ConfigError::Keys(problems)
         }
     }
 }
@@ -589,12 +660,43 @@ impl Config {
         Self::from_table(table_with_env(&mut table, std::iter::empty())?)
     }
 
-    fn from_table(table: toml::Table) -> Result<Config, ConfigError> {
-        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
-            ConfigError::Key { key: e.path().to_string(), message: e.into_inner().to_string() }
-        })?;
-        config.validate()?;
-        Ok(config)
+    /// The config, or every mistake in it: a key serde refuses is taken
+    /// out and the rest read again (at most 32 times), then the values are
+    /// checked.
+    fn from_table(mut table: toml::Table) -> Result<Config, ConfigError> {
+        let mut problems = Vec::new();
+        let config = loop {
+            match serde_path_to_error::deserialize::<_, Config>(toml::Value::Table(table.clone())) {
+                Ok(config) => break config,
+                Err(e) => {
+                    let key = e.path().to_string();
+                    // toml repeats the path after a newline: the key says it.
+                    let message = e.into_inner().to_string();
+                    let message = message.split("\nin `").next().unwrap_or_default().trim().to_string();
+                    let removed = remove_refused(&mut table, &key, &message);
+                    problems.push((key, message));
+                    if !removed || problems.len() >= 32 {
+                        return Err(ConfigError::from_problems(problems));
+                    }
+                }
+            }
+        };
+        problems.extend(config.validate());
+        if problems.is_empty() { Ok(config) } else { Err(ConfigError::from_problems(problems)) }
+    }
+
+    /// The config as TOML values, secrets redacted, for printing.
+    pub fn to_toml(&self) -> toml::Value {
+        toml::Value::try_from(self).expect("every config value has a TOML form")
+    }
+
+    /// The config as TOML values with the secrets in them, for comparing
+    /// two configs (a changed password is a change); never for output.
+    pub(crate) fn to_toml_with_secrets(&self) -> toml::Value {
+        SHOW_SECRETS.set(true);
+        let value = self.to_toml();
+        SHOW_SECRETS.set(false);
+        value
     }
 
     /// How long `model`'s answers stay cached; zero: not cached.
@@ -608,16 +710,15 @@ impl Config {
         self.models.get(model).map(|m| m.rollout.clone()).unwrap_or_default()
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: String| Err(ConfigError::Key { key: key.into(), message });
+    /// What is wrong with the values, each as (key, what is allowed).
+    fn validate(&self) -> Vec<(String, String)> {
+        let problems = std::cell::RefCell::new(Vec::new());
+        let bad = |key: &str, message: String| problems.borrow_mut().push((key.to_string(), message));
         if self.node.id.is_empty() || self.node.id.contains(['/', '+', '#']) {
-            return bad(
-                "node.id",
-                format!("{:?}: use a non-empty name without '/', '+' or '#'", self.node.id),
-            );
+            bad("node.id", format!("{:?}: use a non-empty name without '/', '+' or '#'", self.node.id));
         }
         if !(self.mqtt.url.starts_with("mqtt://") || self.mqtt.url.starts_with("mqtts://")) {
-            return bad(
+            bad(
                 "mqtt.url",
                 format!("{:?}: use mqtt://HOST:PORT, or mqtts://HOST:PORT for TLS", self.mqtt.url),
             );
@@ -626,10 +727,7 @@ impl Config {
             [("mqtt.topic_prefix", &self.mqtt.topic_prefix), ("mqtt.share_group", &self.mqtt.share_group)]
         {
             if value.is_empty() || value.contains(['+', '#']) || value.starts_with('$') {
-                return bad(
-                    key,
-                    format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"),
-                );
+                bad(key, format!("{value:?}: use a non-empty topic level without '+', '#' or a leading '$'"));
             }
         }
         for prefix in &self.mqtt.reply_prefixes {
@@ -637,7 +735,7 @@ impl Config {
                 || prefix.contains(['+', '#'])
                 || prefix.starts_with('$')
             {
-                return bad(
+                bad(
                     "mqtt.reply_prefixes",
                     format!(
                         "{prefix:?}: list topic levels like \"devices\", without '+', '#' or a leading '$'"
@@ -646,7 +744,7 @@ impl Config {
             }
         }
         if self.mqtt.keep_alive_s < 5 {
-            return bad(
+            bad(
                 "mqtt.keep_alive_s",
                 format!(
                     "{}: use 5 to 65535 seconds (the MQTT client needs at least 5)",
@@ -655,7 +753,7 @@ impl Config {
             );
         }
         if !(5..=60).contains(&self.mqtt.share_keep_alive_s) {
-            return bad(
+            bad(
                 "mqtt.share_keep_alive_s",
                 format!(
                     "{}: use 5 to 60 seconds (a node that dies silently leaves the share group after 1.5 \
@@ -665,7 +763,7 @@ impl Config {
             );
         }
         if self.mqtt.share_session_expiry_s > 300 {
-            return bad(
+            bad(
                 "mqtt.share_session_expiry_s",
                 format!(
                     "{}: use 0 to 300 seconds (a dead node's share of the requests waits for it this long; \
@@ -675,10 +773,10 @@ impl Config {
             );
         }
         if !(1..=65535).contains(&self.mqtt.max_in_flight) {
-            return bad("mqtt.max_in_flight", format!("{}: use 1 to 65535", self.mqtt.max_in_flight));
+            bad("mqtt.max_in_flight", format!("{}: use 1 to 65535", self.mqtt.max_in_flight));
         }
         if self.mqtt.client_cert_file.is_some() != self.mqtt.client_key_file.is_some() {
-            return bad(
+            bad(
                 "mqtt.client_cert_file",
                 "give both mqtt.client_cert_file and mqtt.client_key_file for mutual TLS, or neither".into(),
             );
@@ -687,7 +785,7 @@ impl Config {
             && !listen.is_empty()
             && listen.parse::<std::net::SocketAddr>().is_err()
         {
-            return bad(
+            bad(
                 "mqtt.embedded_v311_listen",
                 format!("{listen:?}: use HOST:PORT, or \"\" (the default) for no 3.1.1 listener"),
             );
@@ -695,10 +793,10 @@ impl Config {
         if let Some(listen) = &self.mqtt.embedded_listen
             && listen.parse::<std::net::SocketAddr>().is_err()
         {
-            return bad("mqtt.embedded_listen", format!("{listen:?}: use HOST:PORT like 0.0.0.0:1883"));
+            bad("mqtt.embedded_listen", format!("{listen:?}: use HOST:PORT like 0.0.0.0:1883"));
         }
         if !self.http.listen.is_empty() && self.http.listen.parse::<std::net::SocketAddr>().is_err() {
-            return bad(
+            bad(
                 "http.listen",
                 format!("{:?}: use HOST:PORT like 127.0.0.1:9464, or \"\" to disable", self.http.listen),
             );
@@ -710,17 +808,17 @@ impl Config {
             ("http.body_timeout_ms", http.body_timeout_ms, 100..=3_600_000),
         ] {
             if !range.contains(&value) {
-                return bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
+                bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
             }
         }
         if http.tls_cert_file.is_some() != http.tls_key_file.is_some() {
-            return bad(
+            bad(
                 "http.tls_cert_file",
                 "give both http.tls_cert_file and http.tls_key_file for HTTPS, or neither".into(),
             );
         }
         if http.protect_metrics && http.token_file.is_none() && http.admin_token_file.is_none() {
-            return bad(
+            bad(
                 "http.protect_metrics",
                 "true needs a token to protect with: set http.token_file (or http.admin_token_file)".into(),
             );
@@ -728,7 +826,7 @@ impl Config {
         if self.cloud.enabled
             && !(self.cloud.url.starts_with("http://") || self.cloud.url.starts_with("https://"))
         {
-            return bad(
+            bad(
                 "cloud.url",
                 format!(
                     "{:?}: with cloud.enabled = true, give the http:// or https:// URL of an Open Inference Protocol server",
@@ -750,18 +848,18 @@ impl Config {
             ("cloud.spool_max_age_s", cloud.spool_max_age_s, 1..=30 * 86_400),
         ] {
             if !range.contains(&value) {
-                return bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
+                bad(key, format!("{value}: use {} to {}", range.start(), range.end()));
             }
         }
         if cloud.token.is_some() && cloud.token_file.is_some() {
-            return bad("cloud.token", "give cloud.token or cloud.token_file, not both".into());
+            bad("cloud.token", "give cloud.token or cloud.token_file, not both".into());
         }
         if cloud.enabled
             && cloud.url.starts_with("http://")
             && (cloud.token.is_some() || cloud.token_file.is_some())
             && !cloud.allow_insecure_token
         {
-            return bad(
+            bad(
                 "cloud.url",
                 format!(
                     "{:?}: a bearer token would be sent in clear text; use https://, or set \
@@ -775,7 +873,7 @@ impl Config {
             || sizes.windows(2).any(|w| w[0] >= w[1])
             || sizes.iter().any(|&s| s > 4096)
         {
-            return bad(
+            bad(
                 "runtime.batch_sizes",
                 format!(
                     "{sizes:?}: list ascending sizes starting at 1, at most 4096, like [1, 2, 4, 8, 16, 32]"
@@ -783,30 +881,21 @@ impl Config {
             );
         }
         if !(1..=64).contains(&self.runtime.threads_per_model) {
-            return bad(
-                "runtime.threads_per_model",
-                format!("{}: use 1 to 64", self.runtime.threads_per_model),
-            );
+            bad("runtime.threads_per_model", format!("{}: use 1 to 64", self.runtime.threads_per_model));
         }
         if !(1..=64).contains(&self.runtime.io_threads) {
-            return bad("runtime.io_threads", format!("{}: use 1 to 64", self.runtime.io_threads));
+            bad("runtime.io_threads", format!("{}: use 1 to 64", self.runtime.io_threads));
         }
         if !(1..=1_000_000).contains(&self.runtime.queue_capacity) {
-            return bad(
-                "runtime.queue_capacity",
-                format!("{}: use 1 to 1000000", self.runtime.queue_capacity),
-            );
+            bad("runtime.queue_capacity", format!("{}: use 1 to 1000000", self.runtime.queue_capacity));
         }
         if !(64..=64 * 1024 * 1024).contains(&self.limits.max_payload_bytes) {
-            return bad(
-                "limits.max_payload_bytes",
-                format!("{}: use 64 to 67108864", self.limits.max_payload_bytes),
-            );
+            bad("limits.max_payload_bytes", format!("{}: use 64 to 67108864", self.limits.max_payload_bytes));
         }
         let limits = &self.limits;
         // 268435455: the largest packet MQTT's length field can carry.
         if !(limits.max_payload_bytes..=268_435_455).contains(&limits.max_packet_bytes) {
-            return bad(
+            bad(
                 "limits.max_packet_bytes",
                 format!(
                     "{}: use limits.max_payload_bytes ({}) to 268435455",
@@ -815,7 +904,7 @@ impl Config {
             );
         }
         if !(limits.max_packet_bytes..=1 << 36).contains(&limits.max_bytes_in_flight) {
-            return bad(
+            bad(
                 "limits.max_bytes_in_flight",
                 format!(
                     "{}: use limits.max_packet_bytes ({}) to 68719476736, so one largest request always fits",
@@ -824,41 +913,30 @@ impl Config {
             );
         }
         if self.limits.max_rows == 0 {
-            return bad("limits.max_rows", "0: use at least 1".into());
+            bad("limits.max_rows", "0: use at least 1".into());
         }
-        let batching = |key: &str,
-                        max_batch: usize,
-                        delay: u64,
-                        budget: Option<f64>|
-         -> Result<(), ConfigError> {
+        let batching = |key: &str, max_batch: usize, delay: u64, budget: Option<f64>| {
             if !(1..=4096).contains(&max_batch) {
-                return bad(&format!("{key}.max_batch"), format!("{max_batch}: use 1 (no batching) to 4096"));
+                bad(&format!("{key}.max_batch"), format!("{max_batch}: use 1 (no batching) to 4096"));
             }
             if delay > 1_000_000 {
-                return bad(
-                    &format!("{key}.max_delay_us"),
-                    format!("{delay}: use 0 to 1000000 (one second)"),
-                );
+                bad(&format!("{key}.max_delay_us"), format!("{delay}: use 0 to 1000000 (one second)"));
             }
             if let Some(b) = budget
                 && !(b > 0.0 && b <= 60_000.0)
             {
-                return bad(
+                bad(
                     &format!("{key}.latency_budget_ms"),
                     format!("{b}: use a positive number of milliseconds"),
                 );
             }
-            Ok(())
         };
         if self.node.drain_timeout_s > 3600 {
-            return bad(
-                "node.drain_timeout_s",
-                format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s),
-            );
+            bad("node.drain_timeout_s", format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s));
         }
         let redis = &self.cache.redis;
         if redis.enabled && !(redis.url.starts_with("redis://") || redis.url.starts_with("rediss://")) {
-            return bad(
+            bad(
                 "cache.redis.url",
                 format!("{:?}: use redis://HOST:PORT, or rediss://HOST:PORT for TLS", redis.url),
             );
@@ -867,14 +945,14 @@ impl Config {
         if let Some((authority, _)) = redis.url.split_once("://").and_then(|(_, rest)| rest.split_once('@'))
             && authority.contains(':')
         {
-            return bad(
+            bad(
                 "cache.redis.url",
                 "has a password in it: put the password in cache.redis.password_file and leave it out of the URL"
                     .into(),
             );
         }
         if redis.url.contains('#') {
-            return bad(
+            bad(
                 "cache.redis.url",
                 format!(
                     "{:?}: no #fragment (#insecure would skip the server's certificate check); \
@@ -884,19 +962,19 @@ impl Config {
             );
         }
         if redis.enabled && redis.ca_file.is_some() && !redis.url.starts_with("rediss://") {
-            return bad(
+            bad(
                 "cache.redis.ca_file",
                 format!("is set but cache.redis.url {:?} is not TLS: use rediss://HOST:PORT", redis.url),
             );
         }
         if redis.key_prefix.is_empty() || redis.key_prefix.contains(['*', '?', '[', ']', ' ']) {
-            return bad(
+            bad(
                 "cache.redis.key_prefix",
                 format!("{:?}: use a non-empty name without spaces or '*', '?', '[', ']'", redis.key_prefix),
             );
         }
         if !(1..=10_000).contains(&redis.timeout_ms) {
-            return bad(
+            bad(
                 "cache.redis.timeout_ms",
                 format!(
                     "{}: use 1 to 10000 (a lookup slower than the model is not worth waiting for)",
@@ -905,15 +983,12 @@ impl Config {
             );
         }
         if redis.ttl_s == Some(0) {
-            return bad(
-                "cache.redis.ttl_s",
-                "0: use at least 1 second, or leave it out for the cache TTL".into(),
-            );
+            bad("cache.redis.ttl_s", "0: use at least 1 second, or leave it out for the cache TTL".into());
         }
         // Unsigned shared answers would let any client that can write to
         // Redis choose what every node answers.
         if redis.enabled && redis.key_file.is_none() {
-            return bad(
+            bad(
                 "cache.redis.key_file",
                 "not set, and cache.redis.enabled = true needs it: the site key signs every shared answer. \
                  Make one with `head -c 32 /dev/urandom | xxd -p > /etc/edgeinfer/redis.key`, copy the file \
@@ -923,7 +998,7 @@ impl Config {
         }
         let control = &self.control;
         if let Some(path) = &control.token_file {
-            return bad(
+            bad(
                 "control.token_file",
                 format!(
                     "{}: control commands are signed now, so no token crosses the broker; remove \
@@ -934,7 +1009,7 @@ impl Config {
             );
         }
         if control.enabled && control.key_file.is_none() {
-            return bad(
+            bad(
                 "control.enabled",
                 "true without control.key_file: set control.key_file to a file holding the key commands \
                  are signed with (at least 32 bytes: openssl rand -hex 32), or leave control off"
@@ -942,7 +1017,7 @@ impl Config {
             );
         }
         if !(1..=3600).contains(&control.max_skew_s) {
-            return bad(
+            bad(
                 "control.max_skew_s",
                 format!(
                     "{}: use 1 to 3600 seconds (how far a command's issued_at_s may be from the \
@@ -952,7 +1027,7 @@ impl Config {
             );
         }
         if !(5..=60).contains(&self.site.keep_alive_s) {
-            return bad(
+            bad(
                 "site.keep_alive_s",
                 format!(
                     "{}: use 5 to 60 seconds (a dead node leaves the site after 1.5 times this)",
@@ -962,7 +1037,7 @@ impl Config {
         }
         let capture = &self.capture;
         if !(0.0..=1.0).contains(&capture.rate) {
-            return bad(
+            bad(
                 "capture.rate",
                 format!("{}: use a share from 0 to 1 (0.1 keeps one request in ten)", capture.rate),
             );
@@ -973,13 +1048,13 @@ impl Config {
             } else {
                 ("capture.max_bytes", capture.max_bytes)
             };
-            return bad(key, format!("{value}: use at least 1 record and 4096 bytes"));
+            bad(key, format!("{value}: use at least 1 record and 4096 bytes"));
         }
         if self.cache.sweep_interval_s == 0 {
-            return bad("cache.sweep_interval_s", "0: use at least 1 second".into());
+            bad("cache.sweep_interval_s", "0: use at least 1 second".into());
         }
         if self.cache.disk_read_timeout_ms == 0 || self.cache.disk_read_timeout_ms > 10_000 {
-            return bad(
+            bad(
                 "cache.disk_read_timeout_ms",
                 format!(
                     "{}: use 1 to 10000 (a read slower than running the model is not worth waiting for)",
@@ -988,47 +1063,62 @@ impl Config {
             );
         }
         if self.cache.disk_page_cache_bytes < 1024 * 1024 {
-            return bad(
+            bad(
                 "cache.disk_page_cache_bytes",
                 format!("{}: use at least 1048576 (1 MiB)", self.cache.disk_page_cache_bytes),
             );
         }
         if self.cache.memory_bytes > 0 && self.cache.memory_bytes < 64 * 1024 {
-            return bad(
-                "cache.memory_bytes",
-                format!("{}: use 0 (off) or at least 65536", self.cache.memory_bytes),
-            );
+            bad("cache.memory_bytes", format!("{}: use 0 (off) or at least 65536", self.cache.memory_bytes));
         }
         if self.cache.disk_bytes > 0 && self.cache.disk_bytes < 64 * 1024 {
-            return bad(
-                "cache.disk_bytes",
-                format!("{}: use 0 (off) or at least 65536", self.cache.disk_bytes),
-            );
+            bad("cache.disk_bytes", format!("{}: use 0 (off) or at least 65536", self.cache.disk_bytes));
         }
         let rt = &self.runtime;
-        batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms)?;
+        batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms);
         for (name, model) in &self.models {
             batching(
                 &format!("models.{name}"),
                 model.max_batch.unwrap_or(rt.max_batch),
                 model.max_delay_us.unwrap_or(rt.max_delay_us),
                 model.latency_budget_ms.or(rt.latency_budget_ms),
-            )?;
+            );
             if !(0.0..=1.0).contains(&model.threshold) {
-                return bad(
+                bad(
                     &format!("models.{name}.threshold"),
                     format!("{}: use a confidence between 0.0 and 1.0", model.threshold),
                 );
             }
             if let Err((key, message)) = model.rollout.check() {
-                return bad(&format!("models.{name}.rollout.{key}"), message);
+                bad(&format!("models.{name}.rollout.{key}"), message);
             }
         }
-        Ok(())
+        problems.into_inner()
     }
 }
 
 /// `table` with the environment's `EDGEINFER_` overrides applied.
+/// Takes the key serde refused (`mqtt.keep_alive_s`, or the unknown
+/// `mqtt.urll` under `mqtt`) out of `table`; false if it is not there.
+fn remove_refused(table: &mut toml::Table, path: &str, message: &str) -> bool {
+    let mut parts: Vec<&str> = path.split('.').filter(|p| !p.is_empty() && *p != "?").collect();
+    // serde names an unknown field in its message, under its table's path.
+    if let Some(field) = message.strip_prefix("unknown field `").and_then(|m| m.split('`').next())
+        && parts.last() != Some(&field)
+    {
+        parts.push(field);
+    }
+    let Some((last, parents)) = parts.split_last() else { return false };
+    let mut here = table;
+    for part in parents {
+        match here.get_mut(*part).and_then(|v| v.as_table_mut()) {
+            Some(inner) => here = inner,
+            None => return false,
+        }
+    }
+    here.remove(*last).is_some()
+}
+
 fn table_with_env(
     table: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,

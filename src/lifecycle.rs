@@ -8,6 +8,7 @@
 //! person reads in `systemctl status`.
 
 use crate::config::Config;
+use crate::config::reference::RESTART_KEYS;
 use crate::engine::{Engine, EngineOptions};
 use crate::model::{Registry, RuntimeOptions};
 use sd_notify::NotifyState;
@@ -479,32 +480,32 @@ pub async fn start_auto_rollouts_at_start(engine: &Engine, config: &Config) {
 
 /// The settings changed since `started` (the config the process started
 /// with) that a reload does not apply: the services and the cache are
-/// built once at start.
+/// built once at start (`config::reference::RESTART_KEYS`, which the
+/// config reference's reload column shows too).
 pub fn needing_restart(started: &Config, next: &Config) -> Vec<&'static str> {
-    let ttl = |c: &Config| {
-        let set = c.models.iter().filter_map(|(m, c)| Some((m.clone(), c.cache_ttl_s?)));
-        set.collect::<std::collections::BTreeMap<_, _>>()
-    };
-    [
-        (
-            "node.id / node.state_dir",
-            started.node.id != next.node.id || started.node.state_dir != next.node.state_dir,
-        ),
-        ("mqtt", started.mqtt != next.mqtt),
-        ("http", started.http != next.http),
-        ("cache", started.cache != next.cache),
-        ("models.NAME.cache_ttl_s", ttl(started) != ttl(next)),
-        (
-            "limits.max_packet_bytes (the MQTT Maximum Packet Size announced at connect)",
-            started.limits.max_packet_bytes != next.limits.max_packet_bytes,
-        ),
-        ("limits.max_bytes_in_flight", started.limits.max_bytes_in_flight != next.limits.max_bytes_in_flight),
-        ("cloud", started.cloud != next.cloud),
-        ("runtime.io_threads", started.runtime.io_threads != next.runtime.io_threads),
-    ]
-    .into_iter()
-    .filter_map(|(setting, changed)| changed.then_some(setting))
-    .collect()
+    let (started, next) = (started.to_toml_with_secrets(), next.to_toml_with_secrets());
+    RESTART_KEYS.into_iter().filter(|key| values_at(&started, key) != values_at(&next, key)).collect()
+}
+
+/// The values under a dotted `key` with their paths; `NAME` matches every
+/// model, and a key that is not set has no value.
+fn values_at<'v>(value: &'v toml::Value, key: &str) -> Vec<(String, &'v toml::Value)> {
+    let mut found = vec![(String::new(), value)];
+    for part in key.split('.') {
+        found = found
+            .into_iter()
+            .flat_map(|(path, value)| -> Vec<(String, &toml::Value)> {
+                match (part, value.as_table()) {
+                    ("NAME", Some(table)) => table.iter().map(|(k, v)| (format!("{path}.{k}"), v)).collect(),
+                    (_, Some(table)) => {
+                        table.get(part).map(|v| (format!("{path}.{part}"), v)).into_iter().collect()
+                    }
+                    _ => Vec::new(),
+                }
+            })
+            .collect();
+    }
+    found
 }
 
 #[cfg(test)]
@@ -554,6 +555,14 @@ mod tests {
         assert!(
             named[0].starts_with("models.NAME.cache_ttl_s")
                 && named[1].starts_with("limits.max_packet_bytes")
+        );
+        // A secret is compared as it is, though it prints redacted.
+        let mut password = running.clone();
+        password.mqtt.password = Some(crate::config::Secret("hunter2".into()));
+        assert_eq!(needing_restart(&running, &password), ["mqtt"]);
+        assert!(
+            !password.to_toml().to_string().contains("hunter2")
+                && password.to_toml().to_string().contains("<redacted>")
         );
     }
 }

@@ -28,13 +28,15 @@ fn main() {
 
 /// Runs the command; its exit code, or the error to print.
 fn dispatch(cli: Cli) -> anyhow::Result<i32> {
-    let config = cli.config()?;
     let reload = cli.reload_source();
+    // Loaded per command: `config check` reports a config that does not load.
+    let config = || reload.load();
     match cli.command {
-        Command::Serve => cli::serve::run(config, reload),
-        Command::Infer(args) => cli::infer::run(&config, args),
-        Command::Bench(args) => cli::bench::run(&config, args),
-        Command::Models { command } => cli::models::run(&config, command),
-        Command::Cache { command } => cli::cache::run(&config, command),
+        Command::Serve => cli::serve::run(config()?, reload.clone()),
+        Command::Infer(args) => cli::infer::run(&config()?, args),
+        Command::Bench(args) => cli::bench::run(&config()?, args),
+        Command::Models { command } => cli::models::run(&config()?, command),
+        Command::Cache { command } => cli::cache::run(&config()?, command),
+        Command::Config { command } => cli::config::run(&reload, command),
     }
 }

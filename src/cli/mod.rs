@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod config;
 pub mod infer;
 pub mod models;
 pub mod serve;
@@ -86,14 +87,18 @@ pub enum Command {
         #[command(subcommand)]
         command: cache::CacheCommand,
     },
+    /// Check, print or look up the configuration.
+    ///
+    /// `config check` reports every mistake in a file at once; `config
+    /// print` shows the config in effect; `config reference` lists every
+    /// key (docs/CONFIG.md).
+    Config {
+        #[command(subcommand)]
+        command: config::ConfigCommand,
+    },
 }
 
 impl Cli {
-    /// The config file (or the defaults) with the command-line overrides.
-    pub fn config(&self) -> Result<Config> {
-        Ok(self.reload_source().load()?)
-    }
-
     /// Where `serve` reads the config again on SIGHUP: the same file and
     /// overrides it started with.
     pub fn reload_source(&self) -> ReloadSource {

@@ -35,7 +35,7 @@ impl RolloutMode {
 }
 
 /// `models.NAME.auto_rollout`: what a new version found by a reload starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AutoRollout {
     /// It becomes the newest version; it serves unless a stable is pinned.
@@ -84,6 +84,8 @@ pub struct RolloutPolicy {
     pub min_requests: u64,
     /// How long a step may wait for its samples before `on_inconclusive`.
     pub max_wait_s: u64,
+    /// What a step still short of samples at `max_wait_s` does: `hold`
+    /// (wait for someone to promote or roll back) or `rollback`.
     pub on_inconclusive: OnInconclusive,
     /// Gate `error_rate`: the candidate's error rate may exceed stable's by this.
     pub max_error_rate_increase: f64,

@@ -136,7 +136,7 @@ pub enum Enrich {
 }
 
 /// How a model's confidence is measured against its threshold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Confidence {
     /// The top class probability.

@@ -237,6 +237,57 @@ fn config_mistakes_name_the_key_the_value_and_what_is_allowed() {
 }
 
 #[test]
+fn config_check_reports_every_mistake_at_once_and_print_redacts_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edgeinfer.toml");
+    std::fs::write(
+        &file,
+        "[mqtt]\nurl = \"http://broker:1883\"\nkeep_alive_s = \"thirty\"\n\
+         [runtime]\nthreads_per_model = 0\n[capture]\nrate = 2.0\n",
+    )
+    .unwrap();
+    let out = edgeinfer(&["config", "check", file.to_str().unwrap()], None, &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("4 mistakes"), "{text}");
+    for (key, value, allowed) in [
+        ("mqtt.url", "http://broker:1883", "mqtt://HOST:PORT"),
+        ("mqtt.keep_alive_s", "thirty", "u16"),
+        ("runtime.threads_per_model", "0", "1 to 64"),
+        ("capture.rate", "2", "0 to 1"),
+    ] {
+        let line = text.lines().find(|l| l.trim_start().starts_with(&format!("{key}:"))).unwrap_or_default();
+        assert!(line.contains(value) && line.contains(allowed), "{key}: {text}");
+    }
+    // Fixed, the same file passes; the environment overrides count as for serve.
+    std::fs::write(&file, "[mqtt]\nurl = \"mqtt://broker:1883\"\n").unwrap();
+    let out = edgeinfer(&["config", "check", file.to_str().unwrap()], None, &[]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(": ok"));
+    let out = edgeinfer(
+        &["config", "check", file.to_str().unwrap()],
+        None,
+        &[("EDGEINFER_HTTP__LISTEN", "nowhere")],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("http.listen"));
+
+    let out = edgeinfer(
+        &["--config", file.to_str().unwrap(), "config", "print"],
+        None,
+        &[("EDGEINFER_MQTT__PASSWORD", "hunter2"), ("EDGEINFER_NODE__ID", "gw-print")],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!text.contains("hunter2") && text.contains("password = \"<redacted>\""), "{text}");
+    // What it prints is a config that reads back to the same thing.
+    let printed = dir.path().join("printed.toml");
+    std::fs::write(&printed, text.replace("\"<redacted>\"", "\"x\"").as_bytes()).unwrap();
+    let out = edgeinfer(&["config", "check", printed.to_str().unwrap()], None, &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(text.contains("id = \"gw-print\"") && text.contains("url = \"mqtt://broker:1883\""), "{text}");
+}
+
+#[test]
 fn help_and_version() {
     for args in [
         &["--help"][..],
@@ -246,6 +297,10 @@ fn help_and_version() {
         &["models", "verify", "--help"],
         &["models", "list", "--help"],
         &["models", "compare", "--help"],
+        &["config", "--help"],
+        &["config", "check", "--help"],
+        &["config", "print", "--help"],
+        &["config", "reference", "--help"],
     ] {
         let out = edgeinfer(args, None, &[]);
         let text = String::from_utf8_lossy(&out.stdout);
