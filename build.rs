@@ -10,6 +10,15 @@ fn main() {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=BUILD_GIT_SHA={sha}");
+    // `doctor` calls a clock behind the commit's time wrong (TLS would fail).
+    let time = std::process::Command::new("git")
+        .args(["log", "-1", "--format=%ct"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "0".into());
+    println!("cargo:rustc-env=BUILD_COMMIT_TIME={time}");
     // The triple the binary was compiled for (musl or gnu, arm64 or x86-64).
     println!("cargo:rustc-env=BUILD_TARGET={}", std::env::var("TARGET").unwrap_or_default());
     println!("cargo:rerun-if-changed=.git/HEAD");

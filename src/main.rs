@@ -38,5 +38,6 @@ fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Models { command } => cli::models::run(&config()?, command),
         Command::Cache { command } => cli::cache::run(&config()?, command),
         Command::Config { command } => cli::config::run(&reload, command),
+        Command::Doctor(args) => cli::doctor::run(&reload, args),
     }
 }

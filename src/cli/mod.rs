@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod cache;
 pub mod config;
+pub mod doctor;
 pub mod infer;
 pub mod models;
 pub mod serve;
@@ -87,6 +88,14 @@ pub enum Command {
         #[command(subcommand)]
         command: cache::CacheCommand,
     },
+    /// Check what a node needs, one line each (ok, WARN, FAIL with the fix):
+    /// the config; the models (sha256 and golden vectors); the state
+    /// directory (writable, room for the cache, spool and capture bounds);
+    /// the broker (reachable, the login accepted, a round trip timed: ~40
+    /// ms looks like Nagle); the installed unit's TasksMax and LimitNOFILE
+    /// against the config; the clock; Redis and the cloud tier when on.
+    /// Exits 1 when a check fails.
+    Doctor(doctor::DoctorArgs),
     /// Check, print or look up the configuration.
     ///
     /// `config check` reports every mistake in a file at once; `config

@@ -5,6 +5,7 @@ mod cache;
 mod canary;
 mod cascade;
 mod control;
+mod doctor;
 mod embedded;
 #[cfg(feature = "failpoints")]
 mod faults;
