@@ -4,7 +4,7 @@
 No download: the 8x8 digit images ship inside the scikit-learn wheel.
 Deterministic: fixed seeds, a fixed stratified held-out split, single-threaded
 onnxruntime. Run `python models/produce.py` from the repository root (see
-README "Regenerating the models"); it rewrites
+docs/MODELS.md "Regenerating the models"); it rewrites
 
   models/digits/1/        INT8 MLP (onnxruntime QOperator QLinearMatMul), the edge tier
   models/digits-f32/1/    the same MLP before quantisation, to measure what INT8 costs
@@ -15,7 +15,7 @@ README "Regenerating the models"); it rewrites
 
 `python models/produce.py --rollout-tests` writes instead, outside the served
 models/ directory, the two bad candidates the rollout tests drop in as a new
-`digits` version (tests/models/, README "Rolling out a model"):
+`digits` version (tests/models/, docs/ROLLOUTS.md):
 
   tests/models/digits-wrong-labels/  digits trained on labels shifted by one: it
                                      disagrees with digits on nearly every input

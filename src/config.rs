@@ -585,7 +585,7 @@ pub const EMBEDDED_BROKER_MAX_CONNECTIONS: usize = 1000;
 
 const ENV_PREFIX: &str = "EDGEINFER_";
 /// Variables that are not config keys: the command line's own (`--config`,
-/// `--log`) and the int8 kernel switches (README, "INT8 models"), which
+/// `--log`) and the int8 kernel switches (docs/MODELS.md, "INT8 models"), which
 /// the ops read when a model loads.
 const NOT_KEYS: [&str; 6] = [
     "EDGEINFER_CONFIG",

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The README's worked example: a canary of digits v2 against v1 on a release node.
+# docs/ROLLOUTS.md's worked example: a canary of digits v2 against v1 on a release node.
 # Run from the repository root after `cargo build --release`; it takes about 45 s.
 set -e
 B=${EDGEINFER:-target/release/edgeinfer}

@@ -2,7 +2,7 @@
 //! README's first run, and tests. Production sites run mosquitto, EMQX or
 //! similar. rumqttd serves MQTT 5 and 3.1.1 on separate listeners, and does
 //! not set TCP_NODELAY on its sockets: clients that do not set it themselves
-//! see Nagle delays through it (see README, "Brokers").
+//! see Nagle delays through it (docs/PROTOCOL.md, "Brokers").
 
 use rumqttd::{Config, ConnectionSettings, RouterConfig, ServerSettings};
 use std::collections::HashMap;

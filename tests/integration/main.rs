@@ -2,6 +2,7 @@
 
 mod architecture;
 mod cli;
+mod docs;
 mod errors;
 mod fleet;
 mod fuzz;

@@ -6,7 +6,7 @@
 //! learns nothing it could sign a command with. The signed string names the
 //! topic the command is addressed to, so one signed for a node is refused
 //! by every other, and when it was issued, so one overheard is refused once
-//! `control.max_skew_s` has passed. README "Rolling out a model" gives the
+//! `control.max_skew_s` has passed. docs/ROLLOUTS.md gives the
 //! recipe with a worked example; `tests::the_readme_worked_example_verifies`
 //! holds the two to each other.
 
@@ -162,7 +162,7 @@ impl ControlCommand {
         if self.signature.is_empty() {
             return Err(Refusal::Unauthorized(
                 "no signature: sign each command with the key in control.key_file (HMAC-SHA256 over its \
-                 fields, README \"Rolling out a model\"; `edgeinfer models ... --via-mqtt` does); a token \
+                 fields, docs/ROLLOUTS.md; `edgeinfer models ... --via-mqtt` does); a token \
                  is no longer taken"
                     .into(),
             ));
@@ -170,7 +170,7 @@ impl ControlCommand {
         let wrong = || {
             Refusal::Unauthorized(format!(
                 "wrong signature: sign the canonical string for topic {topic} with the key in \
-                 control.key_file (README \"Rolling out a model\"); a command signed with another key, \
+                 control.key_file (docs/ROLLOUTS.md); a command signed with another key, \
                  for another node, or changed after signing is refused"
             ))
         };
@@ -219,7 +219,7 @@ impl ControlCommand {
 mod tests {
     use super::*;
 
-    /// README "Rolling out a model": the worked example's key, command and
+    /// docs/ROLLOUTS.md: the worked example's key, command and
     /// signature (also what `openssl dgst -sha256 -hmac` prints for it).
     const README_KEY: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
     const README_TOPIC: &str = "edgeinfer/gw-01/control";
@@ -242,8 +242,12 @@ mod tests {
 
     #[test]
     fn the_readme_worked_example_verifies() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-        assert!(readme.contains(README_KEY) && readme.contains(README_SIGNATURE), "README lost the example");
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/ROLLOUTS.md")).unwrap();
+        assert!(
+            readme.contains(README_KEY) && readme.contains(README_SIGNATURE),
+            "docs/ROLLOUTS.md lost the example"
+        );
         let json = serde_json::json!({
             "id": "c4", "command": "rollback", "model": "digits",
             "issued_at_s": 1796407244, "signature": README_SIGNATURE,

@@ -1,7 +1,7 @@
 //! Issue 35, finding 2: the control topic takes commands signed with the
 //! key in `control.key_file` (HMAC-SHA256 over the command's fields, its
 //! id, when it was issued and the topic it is addressed to) instead of a
-//! token that crossed the broker in clear. The tests sign as README
+//! token that crossed the broker in clear. The tests sign as docs/ROLLOUTS.md
 //! "Rolling out a model" says, with code of their own, so the recipe an
 //! outside fleet manager follows is what is tested.
 
@@ -35,7 +35,7 @@ pub fn now_s() -> u64 {
 }
 
 /// `command` with `issued_at_s` (now, unless it has one) and its
-/// `signature` for `topic` under `key`: the README's recipe.
+/// `signature` for `topic` under `key`: docs/ROLLOUTS.md's recipe.
 pub fn signed_with(key: &str, topic: &str, mut command: Value) -> Value {
     if command.get("issued_at_s").is_none() {
         command["issued_at_s"] = json!(now_s());
