@@ -89,3 +89,14 @@ fn the_readme_is_a_front_door_that_maps_the_docs() {
         assert!(readme.contains(&format!("(docs/{name})")), "README.md's map of the docs lacks docs/{name}");
     }
 }
+
+#[test]
+fn the_readmes_site_config_is_valid_and_the_example_config_too() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme.find("```toml\n").expect("README shows a config for a real site") + "```toml\n".len();
+    let block = &readme[start..start + readme[start..].find("```").unwrap()];
+    let config = edgeinfer::config::Config::parse(block).unwrap_or_else(|e| panic!("README's config: {e}"));
+    assert_eq!((config.node.id.as_str(), config.mqtt.url.as_str()), ("gw-01", "mqtts://broker.site:8883"));
+    let shipped = std::fs::read_to_string(root().join("systemd/edgeinfer.toml")).unwrap();
+    edgeinfer::config::Config::parse(&shipped).unwrap_or_else(|e| panic!("systemd/edgeinfer.toml: {e}"));
+}
