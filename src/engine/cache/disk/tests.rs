@@ -12,8 +12,18 @@ fn key(i: u32) -> Key {
     Key(k)
 }
 
+/// The disk layer over `dir`, once the handle dropped before it let go of
+/// the store: sled's flusher thread holds its lock a moment after a drop,
+/// longer on a loaded machine.
 fn open(dir: &Path, capacity: u64) -> Disk {
-    Disk::open(&dir.join("cache"), options(capacity, Duration::from_secs(3600))).unwrap()
+    for _ in 0..40 {
+        match Disk::open(&dir.join("cache"), options(capacity, Duration::from_secs(3600))) {
+            Ok(disk) => return disk,
+            Err(DiskError::Locked(_)) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    panic!("the store stayed locked");
 }
 
 fn options(capacity: u64, sweep: Duration) -> DiskOptions {
