@@ -88,8 +88,9 @@ pub enum Command {
         #[command(subcommand)]
         command: cache::CacheCommand,
     },
-    /// Check what a node needs, one line each (ok, WARN, FAIL with the fix):
-    /// the config; the models (sha256 and golden vectors); the state
+    /// Check what a node needs, one line each, and say what to fix.
+    ///
+    /// Each check prints ok, WARN or FAIL with the fix: the config; the models (sha256 and golden vectors); the state
     /// directory (writable, room for the cache, spool and capture bounds);
     /// the broker (reachable, the login accepted, a round trip timed: ~40
     /// ms looks like Nagle); the installed unit's TasksMax and LimitNOFILE

@@ -301,6 +301,7 @@ fn help_and_version() {
         &["config", "check", "--help"],
         &["config", "print", "--help"],
         &["config", "reference", "--help"],
+        &["doctor", "--help"],
     ] {
         let out = edgeinfer(args, None, &[]);
         let text = String::from_utf8_lossy(&out.stdout);
