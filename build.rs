@@ -2,28 +2,22 @@
 //! and the config structs' fields for the config reference.
 
 fn main() {
-    let sha = std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into());
+    let sha = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=BUILD_GIT_SHA={sha}");
     // `doctor` calls a clock behind the commit's time wrong (TLS would fail).
-    let time = std::process::Command::new("git")
-        .args(["log", "-1", "--format=%ct"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "0".into());
+    let time = git(&["log", "-1", "--format=%ct"]).unwrap_or_else(|| "0".into());
     println!("cargo:rustc-env=BUILD_COMMIT_TIME={time}");
     // The triple the binary was compiled for (musl or gnu, arm64 or x86-64).
     println!("cargo:rustc-env=BUILD_TARGET={}", std::env::var("TARGET").unwrap_or_default());
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs/heads");
     write_config_docs();
+}
+
+/// What `git ARGS` prints, trimmed; None outside a checkout or without git.
+fn git(args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new("git").args(args).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// The config reference's raw material (`edgeinfer config reference`,

@@ -54,7 +54,7 @@ pub fn applied_on_reload(key: &str) -> bool {
 pub fn keys() -> Vec<Key> {
     let defaults = defaults();
     let mut keys = Vec::new();
-    collect("Config", "", &defaults, &mut keys);
+    collect("Config", "", Some(&defaults), &mut keys);
     keys
 }
 
@@ -65,15 +65,17 @@ fn defaults() -> toml::Value {
     toml::Value::try_from(&config).expect("the config serializes")
 }
 
-fn collect(name: &str, prefix: &str, defaults: &toml::Value, keys: &mut Vec<Key>) {
+/// `name`'s keys under `prefix`; `defaults` is its table of defaults, if
+/// it has one.
+fn collect(name: &str, prefix: &str, defaults: Option<&toml::Value>, keys: &mut Vec<Key>) {
     let fields = docs::STRUCTS.iter().find(|(s, _)| *s == name).map(|(_, f)| *f).unwrap_or_default();
     for (field, ty, doc) in fields {
         let key = if prefix.is_empty() { field.to_string() } else { format!("{prefix}.{field}") };
-        let value = defaults.get(field);
+        let value = defaults.and_then(|d| d.get(field));
         if let Some(inner) = map_of(ty) {
-            collect(inner, &format!("{key}.NAME"), value.and_then(|v| v.get("NAME")).unwrap_or(&EMPTY), keys);
+            collect(inner, &format!("{key}.NAME"), value.and_then(|v| v.get("NAME")), keys);
         } else if is_struct(last_segment(ty)) {
-            collect(last_segment(ty), &key, value.unwrap_or(&EMPTY), keys);
+            collect(last_segment(ty), &key, value, keys);
         } else {
             let default = match MACHINE_DEFAULTS.iter().find(|(k, _)| *k == key) {
                 Some((_, words)) => words.to_string(),
@@ -84,8 +86,6 @@ fn collect(name: &str, prefix: &str, defaults: &toml::Value, keys: &mut Vec<Key>
         }
     }
 }
-
-static EMPTY: toml::Value = toml::Value::Boolean(false);
 
 fn is_struct(name: &str) -> bool {
     docs::STRUCTS.iter().any(|(s, _)| *s == name)

@@ -5,7 +5,9 @@
 //! "Rolling out a model" says, with code of their own, so the recipe an
 //! outside fleet manager follows is what is tested.
 
-use super::support::{Client, Mosquitto, Node, copy_digits_version, embedded_node_with_http, free_port_pair};
+use super::support::{
+    Client, Mosquitto, Node, copy_digits_version, embedded_node_with_http, free_port_pair, password_file,
+};
 use hmac::{Hmac, Mac};
 use rumqttc::v5::MqttOptions;
 use serde_json::{Value, json};
@@ -416,20 +418,10 @@ async fn logged_in(port: u16, user: &str, topics: &[&str]) -> Client {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finding_2_the_runbook_acl_lets_only_the_fleet_manager_command_a_node() {
-    let Some(passwd) = ["/usr/bin/mosquitto_passwd", "/usr/sbin/mosquitto_passwd"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-    else {
-        crate::skipped("mosquitto_passwd is not installed (apt-get install mosquitto)");
-        return;
-    };
     let dir = tempfile::tempdir().unwrap();
     let (passwords, acl) = (dir.path().join("passwords"), dir.path().join("edgeinfer.acl"));
-    std::fs::write(&passwords, "").unwrap();
-    for user in ["gw-01", "fleet", "cam-3"] {
-        let done =
-            Command::new(passwd).arg("-b").arg(&passwords).arg(user).arg(format!("pw-{user}")).status();
-        assert!(done.unwrap().success());
+    if !password_file(&passwords, &[("gw-01", "pw-gw-01"), ("fleet", "pw-fleet"), ("cam-3", "pw-cam-3")]) {
+        return;
     }
     std::fs::write(&acl, runbook_acl()).unwrap();
     let extra =

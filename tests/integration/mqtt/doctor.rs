@@ -1,7 +1,7 @@
 //! `edgeinfer doctor` on the real binary: a healthy setup passes every
 //! check, and each broken thing gets its own FAIL line and exit code 1.
 
-use super::support::{Mosquitto, copy_digits_version, free_port_pair};
+use super::support::{Mosquitto, copy_digits_version, free_port_pair, password_file};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -32,19 +32,11 @@ fn line<'a>(checks: &'a [Value], check: &str, status: &str) -> &'a Value {
 
 #[test]
 fn doctor_passes_a_healthy_setup_and_names_each_broken_thing_with_its_fix() {
-    let Some(passwd) = ["/usr/bin/mosquitto_passwd", "/usr/sbin/mosquitto_passwd"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-    else {
-        crate::skipped("mosquitto_passwd is not installed (apt-get install mosquitto)");
-        return;
-    };
     let dir = tempfile::tempdir().unwrap();
     let passwords = dir.path().join("passwords");
-    std::fs::write(&passwords, "").unwrap();
-    assert!(
-        Command::new(passwd).arg("-b").arg(&passwords).args(["gw-01", "right"]).status().unwrap().success()
-    );
+    if !password_file(&passwords, &[("gw-01", "right")]) {
+        return;
+    }
     let extra = format!("allow_anonymous false\npassword_file {}\n", passwords.display());
     let Some(broker) = Mosquitto::start_with(free_port_pair(), &extra, |_| {}) else { return };
     let (right, wrong) = (dir.path().join("right.password"), dir.path().join("wrong.password"));

@@ -171,8 +171,10 @@ async fn mqtts_with_client_certificate_and_password_keeps_the_secret_out_of_logs
         p.distinguished_name.push(DnType::CommonName, cn);
         p
     };
-    if !std::path::Path::new("/usr/bin/mosquitto_passwd").exists() {
-        crate::skipped("mosquitto_passwd is not installed (apt-get install mosquitto)");
+    let secret = "s3cret-pa55-for-tls-test";
+    let files = tempfile::tempdir().unwrap();
+    let path = |name: &str| files.path().join(name).to_str().unwrap().to_string();
+    if !super::support::password_file(std::path::Path::new(&path("passwd")), &[("gw-tls", secret)]) {
         return;
     }
     let mut ca_params = params(vec![], "edgeinfer test CA");
@@ -184,10 +186,7 @@ async fn mqtts_with_client_certificate_and_password_keeps_the_secret_out_of_logs
         params(vec!["127.0.0.1".into(), "localhost".into()], "broker").signed_by(&server_key, &ca).unwrap();
     let client_key = KeyPair::generate().unwrap();
     let client = params(vec!["gw-tls".into()], "gw-tls").signed_by(&client_key, &ca).unwrap();
-    let secret = "s3cret-pa55-for-tls-test";
     let tls_port = super::support::free_port_pair();
-    let files = tempfile::tempdir().unwrap();
-    let path = |name: &str| files.path().join(name).to_str().unwrap().to_string();
     for (name, body) in [
         ("ca.pem", ca.pem()),
         ("server.pem", server.pem()),
@@ -197,11 +196,6 @@ async fn mqtts_with_client_certificate_and_password_keeps_the_secret_out_of_logs
     ] {
         std::fs::write(path(name), body).unwrap();
     }
-    let status = std::process::Command::new("mosquitto_passwd")
-        .args(["-c", "-b", &path("passwd"), "gw-tls", secret])
-        .status()
-        .unwrap();
-    assert!(status.success());
     let extra = format!(
         "listener {tls_port} 127.0.0.1\ncafile {}\ncertfile {}\nkeyfile {}\nrequire_certificate true\n\
          allow_anonymous false\npassword_file {}\n",

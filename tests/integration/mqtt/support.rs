@@ -452,6 +452,25 @@ pub fn loopback_cert(
 
 /// Version `version` of `digits` under `models`: a copy of the shipped
 /// version 1, renamed; with `break_sha`, one whose sha256 check fails.
+/// A mosquitto password file at `path` holding `logins` (user, password),
+/// written by mosquitto_passwd; false (SKIPPED, a failure under CI=true)
+/// where it is not installed.
+pub fn password_file(path: &std::path::Path, logins: &[(&str, &str)]) -> bool {
+    let Some(passwd) = ["/usr/bin/mosquitto_passwd", "/usr/sbin/mosquitto_passwd"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+    else {
+        crate::skipped("mosquitto_passwd is not installed (apt-get install mosquitto)");
+        return false;
+    };
+    std::fs::write(path, "").unwrap();
+    for (user, password) in logins {
+        let done = Command::new(passwd).arg("-b").arg(path).args([user, password]).status();
+        assert!(done.unwrap().success(), "mosquitto_passwd {user}");
+    }
+    true
+}
+
 pub fn copy_digits_version(models: &std::path::Path, version: &str, break_sha: bool) {
     let from = models_dir().join("digits/1");
     let dir = models.join("digits").join(version);

@@ -13,12 +13,17 @@ fn key(i: u32) -> Key {
 }
 
 /// The disk layer over `dir`, once the handle dropped before it let go of
-/// the store: sled's flusher thread holds its lock a moment after a drop,
-/// longer on a loaded machine.
+/// the store.
 fn open(dir: &Path, capacity: u64) -> Disk {
+    once_unlocked(|| Disk::open(&dir.join("cache"), options(capacity, Duration::from_secs(3600))))
+}
+
+/// What `open` gives once the store is free: sled's flusher thread holds
+/// its lock a moment after a drop, longer on a loaded machine.
+fn once_unlocked<T>(open: impl Fn() -> Result<T, DiskError>) -> T {
     for _ in 0..40 {
-        match Disk::open(&dir.join("cache"), options(capacity, Duration::from_secs(3600))) {
-            Ok(disk) => return disk,
+        match open() {
+            Ok(opened) => return opened,
             Err(DiskError::Locked(_)) => std::thread::sleep(Duration::from_millis(50)),
             Err(e) => panic!("{e}"),
         }
@@ -66,14 +71,7 @@ fn closed(disk: Disk) {
 
 /// The store itself, as the writer would have it, once no handle holds it.
 fn store(dir: &Path, capacity: u64) -> Store {
-    for _ in 0..40 {
-        match Store::open(&dir.join("cache"), capacity, 4 << 20) {
-            Ok((store, _)) => return store,
-            Err(DiskError::Locked(_)) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("{e}"),
-        }
-    }
-    panic!("the store stayed locked");
+    once_unlocked(|| Store::open(&dir.join("cache"), capacity, 4 << 20)).0
 }
 
 fn segments(dir: &Path) -> Vec<(u64, u64)> {
