@@ -39,5 +39,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Cache { command } => cli::cache::run(&config()?, command),
         Command::Config { command } => cli::config::run(&reload, command),
         Command::Doctor(args) => cli::doctor::run(&reload, args),
+        Command::Completions(args) => cli::install::completions(args),
+        Command::Manpages(args) => cli::install::manpages(args),
     }
 }

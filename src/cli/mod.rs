@@ -6,6 +6,7 @@ pub mod cache;
 pub mod config;
 pub mod doctor;
 pub mod infer;
+pub mod install;
 pub mod models;
 pub mod serve;
 
@@ -106,6 +107,19 @@ pub enum Command {
         #[command(subcommand)]
         command: config::ConfigCommand,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    ///
+    /// The Debian package installs them; after a tarball install:
+    /// `edgeinfer completions bash > /etc/bash_completion.d/edgeinfer`, or for
+    /// zsh into a directory on $fpath as `_edgeinfer`, for fish into
+    /// ~/.config/fish/completions/edgeinfer.fish.
+    Completions(install::CompletionsArgs),
+    /// Write the man pages, edgeinfer.1 and one per subcommand
+    /// (edgeinfer-models-verify.1, ...), into DIR.
+    ///
+    /// The Debian package installs them; after a tarball install:
+    /// `edgeinfer manpages /usr/local/share/man/man1`.
+    Manpages(install::ManpagesArgs),
 }
 
 impl Cli {

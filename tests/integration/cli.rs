@@ -287,27 +287,9 @@ fn config_check_reports_every_mistake_at_once_and_print_redacts_secrets() {
     assert!(text.contains("id = \"gw-print\"") && text.contains("url = \"mqtt://broker:1883\""), "{text}");
 }
 
+/// Every command's --help is walked by `man_pages_and_help_cover_every_command`.
 #[test]
 fn help_and_version() {
-    for args in [
-        &["--help"][..],
-        &["serve", "--help"],
-        &["infer", "--help"],
-        &["models", "--help"],
-        &["models", "verify", "--help"],
-        &["models", "list", "--help"],
-        &["models", "compare", "--help"],
-        &["config", "--help"],
-        &["config", "check", "--help"],
-        &["config", "print", "--help"],
-        &["config", "reference", "--help"],
-        &["doctor", "--help"],
-    ] {
-        let out = edgeinfer(args, None, &[]);
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{args:?}");
-        assert!(text.contains("Usage:") && text.contains("--config"), "{args:?}: {text}");
-    }
     let out = edgeinfer(&["infer", "--help"], None, &[]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("--model"));
     let out = edgeinfer(&["--version"], None, &[]);
@@ -315,6 +297,77 @@ fn help_and_version() {
         String::from_utf8_lossy(&out.stdout).trim(),
         format!("edgeinfer {}", env!("CARGO_PKG_VERSION"))
     );
+}
+
+/// The man pages name every command there is, so this walks all of them:
+/// each has a page and a complete --help, and the page says what --help says.
+#[test]
+fn man_pages_and_help_cover_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = edgeinfer(&["manpages", dir.path().to_str().unwrap()], None, &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut pages: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    pages.sort();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), pages.len());
+    for expected in ["edgeinfer.1", "edgeinfer-serve.1", "edgeinfer-models-verify.1", "edgeinfer-doctor.1"] {
+        assert!(pages.iter().any(|p| p == expected), "{expected} missing from {pages:?}");
+    }
+    for page in &pages {
+        let words: Vec<&str> = page.trim_end_matches(".1").split('-').skip(1).collect();
+        let mut args = words.clone();
+        args.push("--help");
+        let help = edgeinfer(&args, None, &[]);
+        let text = String::from_utf8_lossy(&help.stdout);
+        assert!(help.status.success(), "{args:?}");
+        assert!(text.contains("Usage:") && text.contains("--config"), "{args:?}: {text}");
+        let about = text.lines().next().unwrap().trim_end_matches('.');
+        let roff = std::fs::read_to_string(dir.path().join(page)).unwrap();
+        let roff_text = roff.replace("\\-", "-").replace("\\(aq", "'");
+        assert!(
+            roff.starts_with(".ie") || roff.starts_with(".TH"),
+            "{page} is not a man page: {}",
+            &roff[..roff.len().min(80)]
+        );
+        let first_words: String = about.split_whitespace().take(3).collect::<Vec<_>>().join(" ");
+        assert!(
+            roff_text.split_whitespace().collect::<Vec<_>>().join(" ").contains(&first_words),
+            "{page} does not say {first_words:?}"
+        );
+    }
+}
+
+/// The bash completion script completes the commands and their options.
+#[test]
+fn bash_completion_completes_commands_and_options() {
+    let out = edgeinfer(&["completions", "bash"], None, &[]);
+    assert!(out.status.success());
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("edgeinfer.bash");
+    std::fs::write(&script, &out.stdout).unwrap();
+    let complete = |words: &str, cword: usize| {
+        let probe = format!(
+            "source {}; COMP_WORDS=({words}); COMP_CWORD={cword}; COMP_LINE='{words}'; COMP_POINT=${{#COMP_LINE}}; \
+             _edgeinfer edgeinfer \"${{COMP_WORDS[$COMP_CWORD]}}\" \"${{COMP_WORDS[$COMP_CWORD-1]}}\"; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+            script.display()
+        );
+        let out = Command::new("bash").arg("-c").arg(probe).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(complete("edgeinfer mod", 1), ["models"]);
+    let verify = complete("edgeinfer models verify --it", 3);
+    assert_eq!(verify, ["--iterations"]);
+    for shell in ["zsh", "fish"] {
+        let out = edgeinfer(&["completions", shell], None, &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("doctor") && text.contains("models-dir"),
+            "{shell}: {text}"
+        );
+    }
 }
 
 #[test]
