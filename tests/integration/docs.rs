@@ -100,3 +100,35 @@ fn the_readmes_site_config_is_valid_and_the_example_config_too() {
     let shipped = std::fs::read_to_string(root().join("systemd/edgeinfer.toml")).unwrap();
     edgeinfer::config::Config::parse(&shipped).unwrap_or_else(|e| panic!("systemd/edgeinfer.toml: {e}"));
 }
+
+/// docs/examples/first-hour.sh (run by CI in a fresh clone) runs every
+/// command of the README, in the README's order; the site's commands with
+/// its scratch `$etc` for /etc/edgeinfer. The test command is .ci/run's own,
+/// and so is installing the package (packaging/deb/check.sh --install).
+#[test]
+fn the_first_hour_script_runs_every_readme_command_in_order() {
+    let normalize = |text: &str| text.replace("\\\n", " ").split_whitespace().collect::<Vec<_>>().join(" ");
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let script = std::fs::read_to_string(root().join("docs/examples/first-hour.sh")).unwrap();
+    let script = normalize(&script);
+    let mut commands = Vec::new();
+    for block in readme.split("```sh\n").skip(1) {
+        let block = &block[..block.find("```").unwrap()];
+        for command in block.replace("\\\n", " ").lines() {
+            let command = command.split(" # ").next().unwrap().trim();
+            let ci_runs_it = command == "cargo test --features failpoints"
+                || command.starts_with("apt install ./edgeinfer");
+            if !command.is_empty() && !ci_runs_it {
+                commands.push(normalize(&command.replace("/etc/edgeinfer", "$etc")));
+            }
+        }
+    }
+    assert!(commands.len() >= 6, "README's commands not found: {commands:?}");
+    let mut from = 0;
+    for command in &commands {
+        let at = script[from..].find(command.as_str()).map(|i| from + i);
+        let at =
+            at.unwrap_or_else(|| panic!("first-hour.sh does not run, after the ones before it: {command}"));
+        from = at + command.len();
+    }
+}
