@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A newcomer's first hour: README.md's commands, in its order, each checked
-# for what the README says it gives. CI runs this in a fresh clone of HEAD
+# for what the README says it gives. CI runs this in its fresh clone
 # (.ci/run), and tests/integration/docs.rs fails when a command of the
 # README is missing here, so the front door cannot rot unnoticed.
 #
 #   docs/examples/first-hour.sh           # in a fresh clone of this checkout's HEAD
-#   docs/examples/first-hour.sh --here    # in this checkout (its uncommitted changes too)
+#   docs/examples/first-hour.sh --here    # in this checkout (CI's is a fresh clone)
 #
 # Two liberties, both for "A real site": its config is written to a scratch
 # directory ($etc) instead of /etc/edgeinfer, and its broker (a site's
