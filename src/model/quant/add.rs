@@ -25,7 +25,7 @@ impl QAdd {
         #[allow(unused_mut)] // assigned only on x86-64
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if super::igemm::avx2() {
+        if super::cpu::avx2() {
             done = unsafe { add_avx2(a, b, [za, zb, zy], [ka, kb, lo_f, hi_f], &mut out) };
         }
         for ((o, &x), &y) in out[done..].iter_mut().zip(&a[done..]).zip(&b[done..]) {

@@ -9,7 +9,7 @@
 use super::gemm::Weights;
 use super::igemm;
 use super::patches::{Geometry, PatchLayout, im2col, pack_panels, widen_padded};
-use super::requant::{self, Activation, QParam, output_range, per, requantize_row};
+use super::requant::{self, Activation, QParam, multipliers, output_range, per, requantize_row};
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
@@ -29,12 +29,6 @@ pub struct ConvSpec {
     /// In accumulator units (input scale x weight scale), per channel.
     pub bias: Vec<i32>,
     pub activation: Activation,
-}
-
-/// Per-channel multiplier `input_scale * weight_scale[c] / output_scale`,
-/// in that order of f32 operations, as onnxruntime computes it.
-pub fn multipliers(input: &QParam, weight_scale: &[f32], output: &QParam, channels: usize) -> Vec<f32> {
-    (0..channels).map(|c| input.scale * per(weight_scale, c) / output.scale).collect()
 }
 
 /// Where the products run: our AVX2 kernel (`igemm`) on x86-64 hosts that

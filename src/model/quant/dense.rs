@@ -2,10 +2,11 @@
 //! `[rows, in] x [in, out]` as one product on tract-linalg's integer
 //! kernels with the requantization of `QConv`.
 
-use super::conv::multipliers;
 use super::gemm::Weights;
 use super::igemm;
-use super::requant::{self, Activation, QParam, output_range, per, requantize_one, round_half_even};
+use super::requant::{
+    self, Activation, QParam, multipliers, output_range, per, requantize_one, round_half_even,
+};
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;

@@ -45,19 +45,19 @@ enum Kernel {
 
 impl Kernel {
     /// Every kernel this host can run, fastest first (`EDGEINFER_AVX512=off`
-    /// leaves the AVX-512 ones out, see `igemm::avx512`).
+    /// leaves the AVX-512 ones out, see `cpu::avx512`).
     fn available() -> Vec<Kernel> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            let avx512 = super::igemm::avx512();
+            let avx512 = super::cpu::avx512();
             if avx512.is_some_and(|a| a.vnni) {
                 kernels.push(Kernel::Avx512Vnni);
             }
             if avx512.is_some() {
                 kernels.push(Kernel::Avx512);
             }
-            if super::igemm::avx2() {
+            if super::cpu::avx2() {
                 kernels.push(Kernel::Avx2);
             }
         }

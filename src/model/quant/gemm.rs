@@ -50,7 +50,7 @@ impl GemmChoice {
     pub fn here() -> GemmChoice {
         static CHOICE: std::sync::OnceLock<GemmChoice> = std::sync::OnceLock::new();
         *CHOICE.get_or_init(|| match std::env::var("EDGEINFER_INT8_GEMM").as_deref() {
-            _ if !super::igemm::avx2() => GemmChoice::Tract,
+            _ if !super::cpu::avx2() => GemmChoice::Tract,
             Ok("ours") => GemmChoice::Ours,
             Ok("tract") => GemmChoice::Tract,
             _ => {

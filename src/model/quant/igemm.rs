@@ -11,6 +11,8 @@
 //! panels of `NR = 16` columns, both as k-pairs: one u32 per row (or
 //! column) and pair of k holding `(v[2p] - z) | (v[2p + 1] - z) << 16`.
 
+#[cfg(target_arch = "x86_64")]
+use super::cpu::{avx2, avx512};
 use super::patches::PatchLayout;
 
 /// Columns of a right-hand panel: two ymm registers of eight i32.
@@ -104,35 +106,6 @@ impl Right {
         let len = self.k.div_ceil(2) * NR;
         &self.data[p * len..(p + 1) * len]
     }
-}
-
-/// Whether this host runs the AVX2 kernel (else the portable one).
-pub fn avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Whether this host has AVX-512 F and BW (and whether VNNI too), unless
-/// `EDGEINFER_AVX512=off` asks for the AVX2 kernels (to compare, or on a
-/// host that down-clocks under 512-bit work).
-#[cfg(target_arch = "x86_64")]
-pub fn avx512() -> Option<Avx512> {
-    let usable = std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
-    usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
-}
-
-#[cfg(target_arch = "x86_64")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Avx512 {
-    pub vnni: bool,
 }
 
 /// How a tile is computed.

@@ -11,6 +11,7 @@
 
 pub mod add;
 pub mod conv;
+mod cpu;
 pub mod dense;
 pub mod depthwise;
 mod gemm;

@@ -123,7 +123,7 @@ pub fn requantize_row(acc: &[i32], bias: i32, scale: f32, zero: i32, lo: i32, hi
     #[allow(unused_mut)] // assigned only on x86-64
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if acc.len() >= 8 && super::igemm::avx2() {
+    if acc.len() >= 8 && super::cpu::avx2() {
         done = unsafe { requantize_avx2(acc, bias, scale, zero, lo_f, hi_f, out) };
     }
     for (o, &a) in out[done..].iter_mut().zip(&acc[done..]) {
@@ -192,6 +192,12 @@ pub fn tensor(qtype: QType, shape: &[usize], mut data: Vec<i8>) -> TractResult<T
 /// The stored bytes of a plain 8-bit tensor.
 pub fn bytes_of(t: &Tensor) -> TractResult<&[u8]> {
     Ok(t.try_as_plain_ram()?.as_bytes())
+}
+
+/// Per-channel multiplier `input_scale * weight_scale[c] / output_scale`,
+/// in that order of f32 operations, as onnxruntime computes it.
+pub fn multipliers(input: &QParam, weight_scale: &[f32], output: &QParam, channels: usize) -> Vec<f32> {
+    (0..channels).map(|c| input.scale * per(weight_scale, c) / output.scale).collect()
 }
 
 #[cfg(test)]

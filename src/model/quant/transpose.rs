@@ -27,7 +27,7 @@ pub fn widen_to_channels_last(x: &[i8], channels: usize, offsets: &[usize], zero
     let pixels = offsets.len();
     assert!(x.len() >= channels * pixels && offsets.iter().all(|&o| o + channels.max(16) <= plane.len()));
     #[cfg(target_arch = "x86_64")]
-    if pixels >= 16 && super::igemm::avx2() {
+    if pixels >= 16 && super::cpu::avx2() {
         // SAFETY: AVX2 is present; the assert above bounds every access.
         return unsafe { widen_avx2(x, channels, offsets, zero, plane) };
     }
@@ -43,7 +43,7 @@ pub fn widen_to_channels_last(x: &[i8], channels: usize, offsets: &[usize], zero
 pub fn to_channels_first(src: &[i8], stride: usize, channels: usize, pixels: usize, y: &mut [i8]) {
     assert!(channels.max(16) <= stride && src.len() >= pixels * stride && y.len() >= channels * pixels);
     #[cfg(target_arch = "x86_64")]
-    if pixels >= 16 && super::igemm::avx2() {
+    if pixels >= 16 && super::cpu::avx2() {
         // SAFETY: AVX2 is present; the assert above bounds every access.
         return unsafe { channels_first_avx2(src, stride, channels, pixels, y) };
     }

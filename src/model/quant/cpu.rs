@@ -1,0 +1,32 @@
+//! What the host's CPU can run, asked once per call site: the bottom of the
+//! integer ops, below the numbers (`requant`), the packing (`patches`), the
+//! kernels (`igemm`, `gemm`, `transpose`) and the ops on top of them.
+
+/// Whether this host runs the AVX2 kernel (else the portable one).
+pub fn avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether this host has AVX-512 F and BW (and whether VNNI too), unless
+/// `EDGEINFER_AVX512=off` asks for the AVX2 kernels (to compare, or on a
+/// host that down-clocks under 512-bit work).
+#[cfg(target_arch = "x86_64")]
+pub fn avx512() -> Option<Avx512> {
+    let usable = std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
+    usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512 {
+    pub vnni: bool,
+}
