@@ -1,29 +1,30 @@
-//! The disk layer's index in sled: each segment's entries, written once,
-//! when the segment is sealed, and a filter of its keys.
+//! The disk layer's index: each segment's entries, written once, when the
+//! segment is sealed, and a filter of its keys.
 //!
 //! A sealed segment's entries (20 bytes each: a model id, a 64-bit hash of
 //! the key, the record's offset and length) are spread over about one
-//! bucket per 32 entries, a sled value each, keyed by segment and bucket.
-//! Sealing writes them in one batch and an eviction removes them in one:
-//! nothing in the index is ever rewritten, so sled's files do not grow with
-//! churn, and its pages, written once, go cold and stay out of memory. (A
-//! bucket per hash range over the whole store, rewritten for every answer
-//! added, cost a sled write per answer and kept every page hot: issue 37's
-//! figures in docs/BENCHMARKS.md.)
+//! bucket per 32 entries, in the segment's own index file
+//! (`segment_index.rs`): a lookup reads one bucket with one positioned
+//! read, and nothing of the entries stays in the process. (In sled, a
+//! value per bucket, they made sled's pages and their records grow with
+//! the answers stored: issue 37's figures in docs/BENCHMARKS.md.)
 //!
 //! Which segment holds a key is told by its filter (a binary fuse filter
 //! of the segment's hashes, about 9 bits an entry, 0.4% false positives),
-//! kept in sled beside the buckets and in memory while the segment lives:
-//! a lookup reads sled only for a segment whose filter has the key. The
-//! record's full key is checked on every read.
+//! kept at the end of its index file and in memory while the segment
+//! lives: a lookup reads a bucket only of a segment whose filter has the
+//! key. The record's full key is checked on every read.
 //!
-//! One tree, so that one sled batch (atomic within a tree) changes entries
-//! and the figures together: after a crash the figures are those of the
-//! segments that survived, never recounted by a scan.
+//! sled holds what is small and changes together: the figures of each
+//! sealed segment, the model ids and the totals, in one tree so
+//! that one batch (atomic within a tree) changes them together: after a
+//! crash the figures are those of the segments that survived, never
+//! recounted by a scan.
 
+use super::segment_index::SegmentIndex;
 use crate::engine::cache::key::Key;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use xorf::{BinaryFuse8, BinaryFuse8Ref, DmaSerializable, Filter as _, FilterRef as _};
 
 /// Entries in the index (u64).
@@ -35,11 +36,9 @@ pub const MIN_LIVE: &[u8] = b"\0min_live";
 pub const NEXT_MODEL: &[u8] = b"\0next_model";
 /// This layout's version (u32): a tree without it was never written by it.
 pub const FORMAT: &[u8] = b"\0format";
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 const MODEL: u8 = b'm';
 const SEALED: u8 = b's';
-const FILTER: u8 = b'f';
-const BUCKET: u8 = b'x';
 
 /// Entries a bucket holds on average: a lookup reads one bucket.
 const PER_BUCKET: u64 = 32;
@@ -74,19 +73,6 @@ pub fn bucket_of(hash: u64, buckets: u32) -> u32 {
     (((hash >> 32) * buckets as u64) >> 32) as u32
 }
 
-/// The sled key of a sealed segment's bucket.
-pub fn bucket_key(segment: u64, bucket: u32) -> [u8; 13] {
-    let mut out = [BUCKET; 13];
-    out[1..9].copy_from_slice(&segment.to_be_bytes());
-    out[9..].copy_from_slice(&bucket.to_be_bytes());
-    out
-}
-
-/// Every bucket's key starts with this.
-pub fn all_buckets() -> [u8; 1] {
-    [BUCKET]
-}
-
 /// The key of a sealed segment's figures (`Sealed`).
 pub fn sealed_key(segment: u64) -> [u8; 9] {
     segment_scoped(SEALED, segment)
@@ -95,11 +81,6 @@ pub fn sealed_key(segment: u64) -> [u8; 9] {
 /// Every sealed segment's figures start with this.
 pub fn all_sealed() -> [u8; 1] {
     [SEALED]
-}
-
-/// The key of a sealed segment's filter.
-pub fn filter_key(segment: u64) -> [u8; 9] {
-    segment_scoped(FILTER, segment)
 }
 
 fn segment_scoped(tag: u8, segment: u64) -> [u8; 9] {
@@ -113,8 +94,8 @@ pub fn segment_of(key: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(key.get(1..9)?.try_into().ok()?))
 }
 
-/// A sealed segment's figures: written with its entries, changed when one
-/// is removed.
+/// A sealed segment's figures: written when its index file is, changed
+/// when an entry is removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sealed {
     /// The latest expiry of its records: past it, the segment goes whole.
@@ -142,56 +123,7 @@ impl Sealed {
     }
 }
 
-/// One entry of a bucket: 20 bytes big-endian.
-pub const ENTRY_LEN: usize = 20;
-
-/// An entry: its model's id, its key's hash, and where its record lies in
-/// the bucket's segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
-    pub model_id: u32,
-    pub hash: u64,
-    pub offset: u32,
-    pub len: u32,
-}
-
-/// A bucket's entries, decoded to be looked at or changed, then written
-/// back whole.
-#[derive(Debug, Default, Clone)]
-pub struct Bucket(pub Vec<Entry>);
-
-impl Bucket {
-    pub fn decode(bytes: &[u8]) -> Bucket {
-        let entry = |e: &[u8]| {
-            let u32_at = |i: usize| u32::from_be_bytes(e[i..i + 4].try_into().expect("4 bytes"));
-            Entry {
-                model_id: u32_at(0),
-                hash: u64::from_be_bytes(e[4..12].try_into().expect("8 bytes")),
-                offset: u32_at(12),
-                len: u32_at(16),
-            }
-        };
-        Bucket(bytes.chunks_exact(ENTRY_LEN).map(entry).collect())
-    }
-
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.0.len() * ENTRY_LEN);
-        for e in &self.0 {
-            out.extend_from_slice(&e.model_id.to_be_bytes());
-            out.extend_from_slice(&e.hash.to_be_bytes());
-            out.extend_from_slice(&e.offset.to_be_bytes());
-            out.extend_from_slice(&e.len.to_be_bytes());
-        }
-        out
-    }
-
-    /// The entry of `model_id` and `hash`, if the bucket has it.
-    pub fn find(&self, model_id: u32, hash: u64) -> Option<&Entry> {
-        self.0.iter().find(|e| e.model_id == model_id && e.hash == hash)
-    }
-}
-
-/// A sealed segment's filter: the sled value as read (the descriptor, then
+/// A sealed segment's filter: the bytes as read (the descriptor, then
 /// the fingerprints), checked once so that a lookup cannot index past it.
 #[derive(Clone)]
 pub struct SegmentFilter(sled::IVec);
@@ -236,8 +168,7 @@ impl SegmentFilter {
 
 /// The part of the index in memory, shared by the writer (its one
 /// changer) and the reader: the active segment's entries, indexed as they
-/// are written and sealed into sled with the segment, and each sealed
-/// segment's bucket count and filter.
+/// are written, and each sealed segment's filter and open index file.
 #[derive(Default)]
 pub struct Catalog {
     /// Each model name's id, as the index has them.
@@ -248,11 +179,12 @@ pub struct Catalog {
 }
 
 /// What a lookup needs of a sealed segment. No filter (one that could not
-/// be built or read): every lookup reads the segment's bucket.
+/// be built or read): every lookup reads the segment's bucket. No index
+/// file: the segment has no entries.
 #[derive(Clone)]
 pub struct SealedView {
-    pub buckets: u32,
     pub filter: Option<SegmentFilter>,
+    pub index: Option<Arc<SegmentIndex>>,
 }
 
 /// Whether the index certainly lacks `key` of `model` (no entry in the
@@ -271,14 +203,9 @@ pub fn certainly_absent(catalog: &RwLock<Catalog>, model: &str, key: &Key) -> bo
 /// Where `key` of `model_id` lies, if the index has it: the active
 /// segment's entry, else the newest sealed segment whose filter has it and
 /// whose bucket holds it.
-pub fn lookup(
-    tree: &sled::Tree,
-    catalog: &RwLock<Catalog>,
-    model_id: u32,
-    key: &Key,
-) -> sled::Result<Option<Location>> {
+pub fn lookup(catalog: &RwLock<Catalog>, model_id: u32, key: &Key) -> std::io::Result<Option<Location>> {
     let hash = hash(model_id, key);
-    let candidates: Vec<(u64, u32)> = {
+    let candidates: Vec<(u64, Arc<SegmentIndex>)> = {
         let catalog = catalog.read().unwrap_or_else(|e| e.into_inner());
         if let Some(at) = catalog.active.get(&(model_id, hash)) {
             return Ok(Some(*at));
@@ -288,13 +215,11 @@ pub fn lookup(
             .iter()
             .rev()
             .filter(|(_, view)| view.filter.as_ref().is_none_or(|f| f.contains(hash)))
-            .map(|(id, view)| (*id, view.buckets))
+            .filter_map(|(id, view)| Some((*id, view.index.clone()?)))
             .collect()
     };
-    for (segment, buckets) in candidates {
-        if let Some(value) = tree.get(bucket_key(segment, bucket_of(hash, buckets)))?
-            && let Some(e) = Bucket::decode(&value).find(model_id, hash)
-        {
+    for (segment, index) in candidates {
+        if let Some(e) = index.bucket(bucket_of(hash, index.buckets()))?.find(model_id, hash) {
             return Ok(Some(Location { segment, offset: e.offset, len: e.len }));
         }
     }
@@ -351,6 +276,7 @@ mod tests {
 
     #[test]
     fn buckets_round_trip_and_hashes_spread_over_them() {
+        use super::super::segment_index::{Bucket, Entry};
         let entry = |i: u32| Entry { model_id: i % 3, hash: hash(i % 3, &key(i)), offset: i, len: 7 };
         let bucket = Bucket((0..40).map(entry).collect());
         let back = Bucket::decode(&bucket.encode());

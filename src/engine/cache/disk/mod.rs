@@ -17,6 +17,7 @@
 
 mod index;
 mod reader;
+mod segment_index;
 mod store;
 mod vlog;
 mod writer;

@@ -110,15 +110,15 @@ impl Reader {
         catalog: &RwLock<Catalog>,
         model: &str,
         key: &Key,
-    ) -> sled::Result<Option<Location>> {
+    ) -> std::io::Result<Option<Location>> {
         let model_id = match self.models.get(model) {
             Some(id) => *id,
-            None => match index::u32_of(tree.get(index::model_key(model))?) {
+            None => match index::u32_of(tree.get(index::model_key(model)).map_err(std::io::Error::other)?) {
                 Some(id) => *self.models.entry(model.to_string()).or_insert(id),
                 None => return Ok(None),
             },
         };
-        index::lookup(tree, catalog, model_id, key)
+        index::lookup(catalog, model_id, key)
     }
 
     /// A record that does not check: never served, counted, removed.

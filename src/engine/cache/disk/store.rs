@@ -4,15 +4,17 @@
 //!
 //! Crash order: a group of records is appended to the active segment, then
 //! its entries go into the in-memory catalog, where reads find them. When
-//! the segment is full it is sealed: its entries and filter go into sled in
-//! one batch with the figures. A restart seals whatever segment was left
-//! unsealed (the records are the truth; at most one segment is read) and
-//! starts a new one. An eviction removes a sealed segment's entries and
-//! raises the live watermark in one batch, flushes, then unlinks the file;
-//! a restart unlinks files below the watermark. So the figures are never
+//! the segment is full it is sealed: its entries go into its index file
+//! (on disk first), then its filter and figures into sled in one batch. A
+//! restart seals whatever segment was left unsealed, or whose index file is
+//! missing or damaged (the records are the truth), and starts a new one.
+//! An eviction removes a sealed segment's figures and raises the live
+//! watermark in one batch, flushes, then unlinks its files; a restart
+//! unlinks files below the watermark and index files without a segment. So the figures are never
 //! recounted by a scan, and open time does not grow with the entries.
 
-use super::index::{self, Bucket, Catalog, Location, Sealed, SealedView, SegmentFilter};
+use super::index::{self, Catalog, Location, Sealed, SealedView, SegmentFilter};
+use super::segment_index::{self, Bucket, Entry, SegmentIndex};
 use super::{DiskError, vlog};
 use crate::engine::cache::key::Key;
 use crate::telemetry;
@@ -24,10 +26,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockWriteGuard};
 
 /// What an index entry is charged against `cache.disk_bytes` beside its
-/// record: its 20 bytes in a bucket and its filter's 9 bits, twice over
-/// for sled's own framing and the space of removed entries it has not yet
-/// reclaimed (docs/BENCHMARKS.md measures the files against it).
-pub const INDEX_CHARGE: u64 = 2 * (index::ENTRY_LEN as u64 + 2);
+/// record: its 20 bytes in its segment's index file and its filter's 9 bits
+/// in sled, twice over for the bucket bounds, sled's framing and the space
+/// sled has not yet reclaimed (docs/BENCHMARKS.md measures the files
+/// against it).
+pub const INDEX_CHARGE: u64 = 2 * (segment_index::ENTRY_LEN as u64 + 2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -43,6 +46,8 @@ struct Segment {
     max_expires_at_ms: u64,
     /// Its figures in sled, once sealed.
     sealed: Option<Sealed>,
+    /// Its index file's length, once sealed.
+    index_bytes: u64,
 }
 
 /// The segment being appended to.
@@ -102,6 +107,7 @@ impl Store {
             .map_err(|e| DiskError::Create { path: dir.into(), reason: e.to_string() })?;
         remove_old_format(dir);
         let index_path = dir.join("index");
+        remove_other_layout(&index_path);
         let mut quarantined = None;
         let db = match open_index(&index_path, page_cache_bytes) {
             Ok(db) => db,
@@ -140,12 +146,16 @@ impl Store {
                 remove_segment(dir, id)?;
                 continue;
             }
-            segments.insert(id, Segment { bytes, max_expires_at_ms: 0, sealed: None });
+            segments.insert(id, Segment { bytes, max_expires_at_ms: 0, sealed: None, index_bytes: 0 });
         }
+        remove_orphan_indexes(dir, &segments);
         let last = segments.keys().next_back().copied().unwrap_or(0);
         let id = last.max(min_live) + 1;
         let active = Active { id, file: vlog::create(dir, id)?, len: vlog::HEADER_LEN, entries: 0 };
-        segments.insert(id, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
+        segments.insert(
+            id,
+            Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
+        );
         let mut models = HashMap::new();
         for item in db.scan_prefix(index::models()) {
             let (k, v) = item?;
@@ -191,22 +201,38 @@ impl Store {
         Ok(store)
     }
 
-    /// The sealed segments' figures and filters; those of segments whose
-    /// file is gone (a purge cut short, a file removed by hand) are dropped.
+    /// The sealed segments' figures, filters and index files; those of
+    /// segments whose file is gone (a purge cut short, a file removed by
+    /// hand) are dropped, and those whose index file is missing or damaged
+    /// too, so that the segment is indexed again from its records.
     fn load_sealed(&mut self) -> Result<(), StoreError> {
         let mut orphans = Vec::new();
         for item in self.db.scan_prefix(index::all_sealed()) {
             let (k, v) = item?;
             let (Some(id), Some(sealed)) = (index::segment_of(&k), Sealed::decode(&v)) else { continue };
-            match self.segments.get_mut(&id) {
-                Some(segment) if id != self.active.id => {
-                    segment.max_expires_at_ms = sealed.max_expires_at_ms;
-                    segment.sealed = Some(sealed);
-                    let filter = self.db.get(index::filter_key(id))?.and_then(SegmentFilter::load);
-                    self.catalog_mut().sealed.insert(id, SealedView { buckets: sealed.buckets, filter });
-                }
-                _ => orphans.push((id, sealed)),
+            if !self.segments.contains_key(&id) || id == self.active.id {
+                orphans.push((id, sealed));
+                continue;
             }
+            let index = match SegmentIndex::open(&self.dir, id, sealed.buckets) {
+                Ok(index) => Some(index),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && sealed.entries == 0 => None,
+                Err(e) => {
+                    tracing::warn!("disk cache: {e}; indexing the segment again from its records");
+                    orphans.push((id, sealed));
+                    continue;
+                }
+            };
+            let filter = match &index {
+                Some(index) => SegmentFilter::load(index.filter()?.into()),
+                None => None,
+            };
+            let segment = self.segments.get_mut(&id).expect("looked up above");
+            segment.max_expires_at_ms = sealed.max_expires_at_ms;
+            segment.sealed = Some(sealed);
+            segment.index_bytes = index.as_ref().map_or(0, SegmentIndex::len);
+            let index = index.map(Arc::new);
+            self.catalog_mut().sealed.insert(id, SealedView { filter, index });
         }
         for (id, sealed) in orphans {
             let mut batch = sled::Batch::default();
@@ -265,8 +291,8 @@ impl Store {
         Ok(indexed)
     }
 
-    /// Writes a segment's entries, filter and figures to the index in one
-    /// batch, then hands them to the catalog for reads.
+    /// Writes a segment's entries to its index file, then its filter and
+    /// figures to sled in one batch, then hands them to the catalog.
     fn seal(&mut self, id: u64, entries: Vec<Pending>, max_expires_at_ms: u64) -> Result<(), StoreError> {
         let mut batch = sled::Batch::default();
         if self.meta_pending {
@@ -274,12 +300,12 @@ impl Store {
         }
         let count = entries.len() as u64;
         let buckets = index::buckets_for(count);
-        let mut filter = None;
+        let (mut filter, mut index) = (None, None);
         if count > 0 {
             let mut by_bucket: Vec<Bucket> = vec![Bucket::default(); buckets as usize];
             let mut hashes = Vec::with_capacity(entries.len());
             for (model_id, hash, at) in entries {
-                by_bucket[index::bucket_of(hash, buckets) as usize].0.push(index::Entry {
+                by_bucket[index::bucket_of(hash, buckets) as usize].0.push(Entry {
                     model_id,
                     hash,
                     offset: at.offset,
@@ -287,16 +313,9 @@ impl Store {
                 });
                 hashes.push(hash);
             }
-            for (b, bucket) in by_bucket.iter().enumerate() {
-                if !bucket.0.is_empty() {
-                    batch.insert(&index::bucket_key(id, b as u32)[..], bucket.encode());
-                }
-            }
-            if let Some(bytes) = SegmentFilter::build(hashes) {
-                let bytes = sled::IVec::from(bytes);
-                filter = SegmentFilter::load(bytes.clone());
-                batch.insert(&index::filter_key(id)[..], bytes);
-            }
+            let filter_bytes = SegmentFilter::build(hashes).unwrap_or_default();
+            index = Some(Arc::new(SegmentIndex::write(&self.dir, id, &by_bucket, &filter_bytes)?));
+            filter = SegmentFilter::load(filter_bytes.into());
         }
         let sealed = Sealed { max_expires_at_ms, entries: count, buckets };
         batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
@@ -306,17 +325,15 @@ impl Store {
         if let Some(segment) = self.segments.get_mut(&id) {
             segment.sealed = Some(sealed);
             segment.max_expires_at_ms = max_expires_at_ms;
+            segment.index_bytes = index.as_ref().map_or(0, |i| i.len());
         }
-        self.catalog_mut().sealed.insert(id, SealedView { buckets, filter });
+        self.catalog_mut().sealed.insert(id, SealedView { filter, index });
         Ok(())
     }
 
-    /// Removes a sealed segment's entries, filter and figures in `batch`.
+    /// Removes a sealed segment's figures in `batch` (its index file goes
+    /// with its records).
     fn unindex(&mut self, batch: &mut sled::Batch, id: u64, sealed: Sealed) {
-        for b in 0..sealed.buckets {
-            batch.remove(&index::bucket_key(id, b)[..]);
-        }
-        batch.remove(&index::filter_key(id)[..]);
         batch.remove(&index::sealed_key(id)[..]);
         self.entries = self.entries.saturating_sub(sealed.entries);
         batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
@@ -363,19 +380,18 @@ impl Store {
         self.db.size_on_disk().unwrap_or(0)
     }
 
-    /// The index's files outgrew four times what it holds (and a floor:
-    /// sled's own for a fresh store is a few of its 512 KiB segments, and
-    /// `at_least`, twice what the last rebuild left): time to build it
-    /// again from the segments.
+    /// sled's files outgrew a floor (a sixteenth of the bound, 2 to 16
+    /// MiB) and `at_least` (twice what the last rebuild left): time to
+    /// build it again from the segments. It holds a few bytes a segment,
+    /// so only a fault would get it there; the writer checks on its timer.
     pub fn index_outgrown(&self, at_least: u64) -> bool {
         let floor = (self.capacity / 16).clamp(2 << 20, 16 << 20);
-        let held = self.entries * INDEX_CHARGE / 2;
-        self.index_bytes() > (4 * held).max(floor).max(at_least)
+        self.index_bytes() > floor.max(at_least)
     }
 
-    /// What the files take: the segments and sled's.
+    /// What the files take: the segments, their index files and sled's.
     pub fn size_on_disk(&self) -> u64 {
-        self.log_bytes + self.index_bytes()
+        self.log_bytes + self.segments.values().map(|s| s.index_bytes).sum::<u64>() + self.index_bytes()
     }
 
     fn active_bytes(&self) -> u64 {
@@ -466,7 +482,10 @@ impl Store {
             catalog.active.clear();
             catalog.active_id = next;
         }
-        self.segments.insert(next, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
+        self.segments.insert(
+            next,
+            Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
+        );
         self.log_bytes += vlog::HEADER_LEN;
         Ok(())
     }
@@ -534,27 +553,54 @@ impl Store {
             }
             return Ok(());
         }
-        let Some(mut sealed) = self.segments.get(&at.segment).and_then(|s| s.sealed) else { return Ok(()) };
-        let k = index::bucket_key(at.segment, index::bucket_of(hash, sealed.buckets));
-        let Some(value) = self.db.get(k)? else { return Ok(()) };
-        let mut bucket = Bucket::decode(&value);
-        let before = bucket.0.len();
-        bucket.0.retain(|e| !(e.model_id == model_id && e.hash == hash && e.offset == at.offset));
-        if bucket.0.len() == before {
-            return Ok(());
+        let gone = self.drop_entries(at.segment, |e| {
+            e.model_id == model_id && e.hash == hash && e.offset == at.offset
+        })?;
+        if gone > 0 {
+            let mut batch = sled::Batch::default();
+            self.entries = self.entries.saturating_sub(gone);
+            batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
+            self.apply(batch)?;
         }
-        let mut batch = sled::Batch::default();
-        match bucket.0.is_empty() {
-            true => batch.remove(&k[..]),
-            false => batch.insert(&k[..], bucket.encode()),
-        }
-        sealed.entries -= 1;
-        self.entries = self.entries.saturating_sub(1);
-        batch.insert(&index::sealed_key(at.segment)[..], &sealed.encode()[..]);
-        batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
-        self.apply(batch)?;
-        self.segments.get_mut(&at.segment).expect("looked up above").sealed = Some(sealed);
         Ok(())
+    }
+
+    /// Writes sealed segment `id`'s index file again without the entries
+    /// `drop` picks, then its figures in sled (the caller writes the total):
+    /// the file first, so that after a crash a removed entry stays removed
+    /// and at worst the figures count it. Answers how many went.
+    fn drop_entries(&mut self, id: u64, drop: impl Fn(&Entry) -> bool) -> Result<u64, StoreError> {
+        let Some(mut sealed) = self.segments.get(&id).and_then(|s| s.sealed) else { return Ok(0) };
+        let index = self
+            .catalog
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .sealed
+            .get(&id)
+            .and_then(|v| v.index.clone());
+        let Some(index) = index else { return Ok(0) };
+        let mut buckets: Vec<Bucket> = index.all()?;
+        let before: usize = buckets.iter().map(|b| b.0.len()).sum();
+        for bucket in &mut buckets {
+            bucket.0.retain(|e| !drop(e));
+        }
+        let gone = (before - buckets.iter().map(|b| b.0.len()).sum::<usize>()) as u64;
+        if gone == 0 {
+            return Ok(0);
+        }
+        // The filter of more keys than are left only answers "maybe" more.
+        let rewritten = Arc::new(SegmentIndex::write(&self.dir, id, &buckets, &index.filter()?)?);
+        let index_bytes = rewritten.len();
+        if let Some(view) = self.catalog_mut().sealed.get_mut(&id) {
+            view.index = Some(rewritten);
+        }
+        sealed.entries = sealed.entries.saturating_sub(gone);
+        let mut batch = sled::Batch::default();
+        batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
+        self.apply(batch)?;
+        let segment = self.segments.get_mut(&id).expect("looked up above");
+        (segment.sealed, segment.index_bytes) = (Some(sealed), index_bytes);
+        Ok(gone)
     }
 
     /// Removes every entry (of one model, or all); answers how many went.
@@ -577,30 +623,13 @@ impl Store {
                 if in_active {
                     self.rotate()?;
                 }
-                let mut batch = sled::Batch::default();
-                let mut gone_from: HashMap<u64, u64> = HashMap::new();
-                for item in self.db.scan_prefix(index::all_buckets()) {
-                    let (k, v) = item?;
-                    let mut bucket = Bucket::decode(&v);
-                    let before = bucket.0.len();
-                    bucket.0.retain(|e| e.model_id != model_id);
-                    let gone = (before - bucket.0.len()) as u64;
-                    if gone > 0 {
-                        *gone_from.entry(index::segment_of(&k).unwrap_or(0)).or_default() += gone;
-                        match bucket.0.is_empty() {
-                            true => batch.remove(k),
-                            false => batch.insert(k, bucket.encode()),
-                        }
-                    }
-                }
+                let sealed: Vec<u64> =
+                    self.segments.iter().filter(|(_, s)| s.sealed.is_some()).map(|(id, _)| *id).collect();
                 let mut removed = 0;
-                for (id, gone) in gone_from {
-                    let Some(segment) = self.segments.get_mut(&id) else { continue };
-                    let Some(sealed) = segment.sealed.as_mut() else { continue };
-                    sealed.entries = sealed.entries.saturating_sub(gone);
-                    batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
-                    removed += gone;
+                for id in sealed {
+                    removed += self.drop_entries(id, |e| e.model_id == model_id)?;
                 }
+                let mut batch = sled::Batch::default();
                 self.entries = self.entries.saturating_sub(removed);
                 batch.insert(index::ENTRIES, &self.entries.to_be_bytes()[..]);
                 self.apply(batch)?;
@@ -625,8 +654,10 @@ impl Store {
                     len: vlog::HEADER_LEN,
                     entries: 0,
                 };
-                self.segments
-                    .insert(next, Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None });
+                self.segments.insert(
+                    next,
+                    Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
+                );
                 *self.catalog_mut() = Catalog { active_id: next, ..Catalog::default() };
                 let mut batch = sled::Batch::default();
                 self.meta(&mut batch);
@@ -687,10 +718,12 @@ impl Store {
             file.as_ref().is_some_and(|f| f.read_exact_at(&mut buf, at.offset as u64).is_ok())
                 && vlog::decode(&buf).is_some()
         };
-        for item in self.db.scan_prefix(index::all_buckets()) {
-            let (k, v) = item?;
-            let segment = index::segment_of(&k).unwrap_or(0);
-            for e in Bucket::decode(&v).0 {
+        let indexes: Vec<(u64, Arc<SegmentIndex>)> = {
+            let catalog = self.catalog.read().unwrap_or_else(|e| e.into_inner());
+            catalog.sealed.iter().filter_map(|(id, view)| Some((*id, view.index.clone()?))).collect()
+        };
+        for (segment, index) in indexes {
+            for e in index.all()?.into_iter().flat_map(|b| b.0) {
                 report.entries += 1;
                 report.dangling += !intact(Location { segment, offset: e.offset, len: e.len }) as u64;
             }
@@ -726,10 +759,32 @@ pub struct CheckReport {
     pub reindexed: u64,
 }
 
+/// A segment's records, then its index file.
 fn remove_segment(dir: &Path, id: u64) -> std::io::Result<()> {
     match std::fs::remove_file(vlog::path(dir, id)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    segment_index::remove(dir, id)
+}
+
+/// Index files whose segment is gone (an eviction or purge cut short
+/// between its two unlinks), and rewrites a crash cut short.
+fn remove_orphan_indexes(dir: &Path, segments: &BTreeMap<u64, Segment>) {
+    let Ok(listing) = std::fs::read_dir(dir) else { return };
+    for entry in listing.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let id = name
+            .strip_prefix("seg-")
+            .and_then(|n| n.strip_suffix(".idx"))
+            .and_then(|h| u64::from_str_radix(h, 16).ok());
+        let orphan = match id {
+            Some(id) => !segments.contains_key(&id),
+            None => name.starts_with("seg-") && name.ends_with(".idx.new"),
+        };
+        if orphan {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -755,11 +810,28 @@ fn remove_old_format(dir: &Path) {
     }
 }
 
+/// sled's segment size: it holds a few bytes per segment of ours and the
+/// model ids, so its own segments can be small, and its files (a few
+/// segments at least) and I/O buffers (one segment each) with them.
+const INDEX_SEGMENT: usize = 64 << 10;
+
+/// sled refuses files written with another segment size: those of the
+/// layouts before this one (512 KiB), whose index is built again from the
+/// segments anyway, go.
+fn remove_other_layout(index_path: &Path) {
+    let Ok(conf) = std::fs::read_to_string(index_path.join("conf")) else { return };
+    if !conf.lines().any(|l| l.trim() == format!("segment_size: {INDEX_SEGMENT}")) {
+        tracing::info!("disk cache: {} is of an earlier layout; building it again", index_path.display());
+        let _ = std::fs::remove_dir_all(index_path);
+    }
+}
+
 /// sled's own flusher thread wakes every `flush_every_ms` whether or not
 /// anything was written; the writer flushes instead.
 fn index_config(path: &Path, page_cache_bytes: u64) -> sled::Config {
     sled::Config::new()
         .path(path)
+        .segment_size(INDEX_SEGMENT)
         .cache_capacity(page_cache_bytes)
         .mode(sled::Mode::LowSpace)
         .flush_every_ms(None)

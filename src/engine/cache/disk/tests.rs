@@ -243,19 +243,22 @@ fn a_torn_tail_keeps_the_records_before_it_and_new_writes_go_to_a_new_segment() 
 fn an_entry_pointing_past_its_data_or_at_another_record_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
     filled(dir.path(), 1 << 20, 3);
-    // Reopened, the segment the handle wrote is sealed into sled.
+    // Reopened, the segment the handle wrote is sealed, its entries in its index file.
     let mut store = store(dir.path(), 1 << 20);
     let (tree, catalog) = store.index_view();
     let model_id = index::u32_of(tree.get(index::model_key("m")).unwrap()).unwrap();
-    let at = |i| index::lookup(&tree, &catalog, model_id, &key(i)).unwrap().unwrap();
+    let at = |i| index::lookup(&catalog, model_id, &key(i)).unwrap().unwrap();
     let point = |i, to: Location| {
         let hash = index::hash(model_id, &key(i));
-        let buckets = catalog.read().unwrap().sealed[&to.segment].buckets;
-        let k = index::bucket_key(to.segment, index::bucket_of(hash, buckets));
-        let mut bucket = index::Bucket::decode(&tree.get(k).unwrap().unwrap());
-        let entry = bucket.0.iter_mut().find(|e| e.hash == hash).unwrap();
+        let file = catalog.read().unwrap().sealed[&to.segment].index.clone().unwrap();
+        let mut buckets = file.all().unwrap();
+        let entry = buckets.iter_mut().flat_map(|b| b.0.iter_mut()).find(|e| e.hash == hash).unwrap();
         (entry.offset, entry.len) = (to.offset, to.len);
-        tree.insert(k, bucket.encode()).unwrap();
+        let filter = file.filter().unwrap();
+        let cache = dir.path().join("cache");
+        let rewritten =
+            super::segment_index::SegmentIndex::write(&cache, to.segment, &buckets, &filter).unwrap();
+        catalog.write().unwrap().sealed.get_mut(&to.segment).unwrap().index = Some(Arc::new(rewritten));
     };
     let (zero, one) = (at(0), at(1));
     point(0, one);
@@ -357,21 +360,24 @@ fn the_directory_stays_within_the_bound_plus_one_segment_under_churn() {
     let capacity = 256 * 1024;
     let disk = Disk::open(&dir.path().join("cache"), options(capacity, Duration::from_millis(100))).unwrap();
     let big = |i: u32| format!("answer {i}").into_bytes().repeat(20);
-    let mut peak = 0;
+    let (mut peak, mut all_peak) = (0, 0);
     for i in 0..20_000 {
         disk.put("m", key(i), 10, u64::MAX, big(i));
         if i % 1000 == 999 {
             rt().block_on(disk.flush());
             let files: u64 = segments(dir.path()).iter().map(|(_, len)| len).sum();
             peak = peak.max(files);
+            all_peak = all_peak.max(disk.stats().size_on_disk);
         }
     }
     let stats = disk.stats();
-    eprintln!("segments at most {peak} bytes under churn; {stats:?}");
+    eprintln!("segments at most {peak} bytes under churn, all files {all_peak}; {stats:?}");
     assert!(peak <= capacity + super::store::segment_target(capacity), "{peak}");
     assert!(stats.bytes <= capacity && stats.entries > 0, "{stats:?}");
-    // Reads miss while the writer builds the index again (its files
-    // outgrow it under this churn): a few tries.
+    // sled's own files have a floor of a few of its segments, which a bound
+    // this small cannot absorb; at 4 MiB they fit (the test below).
+    assert!(all_peak <= capacity + (512 << 10), "{all_peak}");
+    // A read waits behind the writer's seal at most: a few tries.
     let newest = (0..50).find_map(|_| {
         hit(&disk, "m", 19_999).or_else(|| {
             std::thread::sleep(Duration::from_millis(100));
@@ -381,11 +387,13 @@ fn the_directory_stays_within_the_bound_plus_one_segment_under_churn() {
     assert_eq!(newest, Some(big(19_999)), "the newest entry survived");
 }
 
-/// sled reclaims replaced entries' space lazily: under churn the index's
-/// files would outgrow the segments many times over. The writer builds it
-/// again from the segments once they do, and the answers stay served.
+/// Issue 37: under churn the directory stays within the bound plus one
+/// segment: the entries are in the segments' index files, dropped with
+/// them, and sled holds a few bytes a segment, so it never needs rebuilding.
+/// When its files outgrow their floor anyway (here: junk put there by
+/// hand), the writer builds it again from the segments, answers intact.
 #[test]
-fn an_index_whose_files_outgrow_the_segments_is_built_again_from_them() {
+fn the_files_stay_within_the_bound_under_churn_and_an_outgrown_index_is_rebuilt() {
     let dir = tempfile::tempdir().unwrap();
     let capacity = 4 << 20;
     let disk = Disk::open(&dir.path().join("cache"), options(capacity, Duration::from_secs(3600))).unwrap();
@@ -394,18 +402,32 @@ fn an_index_whose_files_outgrow_the_segments_is_built_again_from_them() {
         disk.put("m", key(i), 10, u64::MAX, body(i));
         if i % 2000 == 1999 {
             rt().block_on(disk.flush());
-            // The rebuild runs on the writer's flush timer.
-            std::thread::sleep(Duration::from_millis(600));
-            rt().block_on(disk.flush());
             peak = peak.max(disk.stats().size_on_disk);
         }
     }
-    let rebuilds = disk.shared.index_rebuilds.load(Ordering::Relaxed);
     let stats = disk.stats();
-    eprintln!("{rebuilds} index rebuilds; files at most {peak} bytes; {stats:?}");
-    assert!(rebuilds >= 1, "the index was never rebuilt");
-    assert!(peak <= 4 * capacity, "the files took {peak} bytes for a {capacity}-byte bound");
+    eprintln!("files at most {peak} bytes; {stats:?}");
+    assert!(
+        peak <= capacity + store::segment_target(capacity),
+        "the files took {peak} bytes for a {capacity}-byte bound"
+    );
+    assert_eq!(disk.shared.index_rebuilds.load(Ordering::Relaxed), 0, "sled outgrew its floor under churn");
+    let (tree, _) = disk.shared.index().unwrap();
+    for i in 0..400u32 {
+        tree.insert(format!("zjunk{i}"), vec![0xa5u8; 8 << 10]).unwrap();
+    }
+    tree.flush().unwrap();
+    drop(tree);
+    // The writer looks at sled's files when its flush timer fires, which
+    // a write sets.
+    let rebuilt = (120_000..120_050).any(|i| {
+        disk.put("m", key(i), 10, u64::MAX, body(i));
+        std::thread::sleep(Duration::from_millis(200));
+        disk.shared.index_rebuilds.load(Ordering::Relaxed) > 0
+    });
+    assert!(rebuilt, "3 MiB of junk in sled never made the writer rebuild it");
     assert_eq!(hit(&disk, "m", 119_999), Some(body(119_999)));
+    assert!(disk.stats().size_on_disk <= capacity + store::segment_target(capacity));
 }
 
 /// A lookup the index cannot hold is a miss on the asking thread; one it
