@@ -146,7 +146,7 @@ fn main() {
     let stats = fresh.stats();
     let disk = stats.disk.unwrap();
     println!(
-        "\ndisk bytes per entry after {} entries: {:.0} counted against cache.disk_bytes, {:.0} of sled files",
+        "\ndisk bytes per entry after {} entries: {:.0} counted against cache.disk_bytes, {:.0} of files (segments, index files, sled)",
         disk.entries,
         disk.bytes as f64 / disk.entries as f64,
         disk.size_on_disk as f64 / disk.entries as f64

@@ -316,6 +316,26 @@ fn an_unfinished_eviction_and_a_lost_index_are_finished_and_rebuilt_at_open() {
     let disk = open(dir.path(), capacity);
     assert_eq!(disk.stats().entries, entries, "every live answer was indexed again");
     assert_eq!(hit(&disk, "m", 299), Some(body(299)));
+    closed(disk);
+    // A segment's index file lost, another's cut short: each segment is
+    // indexed again from its records; an index file without a segment goes.
+    let sealed: Vec<u64> = segments(dir.path())
+        .iter()
+        .map(|(id, _)| *id)
+        .filter(|id| super::segment_index::path(&cache, *id).exists())
+        .collect();
+    assert!(sealed.len() >= 2, "{sealed:?}");
+    std::fs::remove_file(super::segment_index::path(&cache, sealed[0])).unwrap();
+    let torn = super::segment_index::path(&cache, sealed[1]);
+    let len = std::fs::metadata(&torn).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&torn).unwrap().set_len(len - 3).unwrap();
+    let stray = super::segment_index::path(&cache, 1_000_000);
+    std::fs::write(&stray, b"EIX1").unwrap();
+    let disk = open(dir.path(), capacity);
+    assert_eq!(disk.stats().entries, entries, "every live answer was indexed again");
+    let served = (0..300).filter(|i| hit(&disk, "m", *i).is_some()).count() as u64;
+    assert_eq!(served, entries, "each indexed answer is served");
+    assert!(super::segment_index::path(&cache, sealed[0]).exists() && !stray.exists());
 }
 
 #[test]
