@@ -38,7 +38,11 @@ pub fn manpages(args: ManpagesArgs) -> Result<i32> {
         .with_context(|| format!("writing man pages into {}", dir.display()))?;
     let mut pages: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "1"))
+        // DIR may be a shared man1 directory: name only the pages written here.
+        .filter(|path| {
+            path.extension().is_some_and(|ext| ext == "1")
+                && path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("edgeinfer"))
+        })
         .collect();
     pages.sort();
     for page in pages {

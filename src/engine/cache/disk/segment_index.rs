@@ -73,6 +73,11 @@ pub fn path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("seg-{id:016x}.idx"))
 }
 
+/// The segment an index file's name (as `path` makes it) belongs to.
+pub fn id_of(name: &str) -> Option<u64> {
+    u64::from_str_radix(name.strip_prefix("seg-")?.strip_suffix(".idx")?, 16).ok()
+}
+
 /// An open index file and where its buckets end.
 #[derive(Debug)]
 pub struct SegmentIndex {
@@ -96,8 +101,14 @@ impl SegmentIndex {
         bytes.extend_from_slice(&(filter.len() as u32).to_be_bytes());
         let encoded: Vec<Vec<u8>> = buckets.iter().map(Bucket::encode).collect();
         let mut end = 0u32;
-        for bucket in &encoded {
-            end += bucket.len() as u32;
+        let ends: Box<[u32]> = encoded
+            .iter()
+            .map(|bucket| {
+                end += bucket.len() as u32;
+                end
+            })
+            .collect();
+        for end in &ends {
             bytes.extend_from_slice(&end.to_be_bytes());
         }
         for bucket in &encoded {
@@ -112,7 +123,7 @@ impl SegmentIndex {
             file.sync_data()?;
         }
         std::fs::rename(&fresh, &final_path)?;
-        SegmentIndex::open(dir, id, buckets.len() as u32)
+        Ok(SegmentIndex { file: File::open(&final_path)?, ends, filter_len: filter.len() as u32 })
     }
 
     /// Opens segment `id`'s index file, which must hold `buckets` buckets
@@ -142,7 +153,7 @@ impl SegmentIndex {
     /// The filter's bytes as written (checked by `SegmentFilter::load`).
     pub fn filter(&self) -> io::Result<Vec<u8>> {
         let mut bytes = vec![0u8; self.filter_len as usize];
-        self.file.read_exact_at(&mut bytes, self.file.metadata()?.len() - self.filter_len as u64)?;
+        self.file.read_exact_at(&mut bytes, self.len() - self.filter_len as u64)?;
         Ok(bytes)
     }
 

@@ -4,14 +4,15 @@
 //!
 //! Crash order: a group of records is appended to the active segment, then
 //! its entries go into the in-memory catalog, where reads find them. When
-//! the segment is full it is sealed: its entries go into its index file
-//! (on disk first), then its filter and figures into sled in one batch. A
+//! the segment is full it is sealed: its entries and filter go into its
+//! index file (on disk first), then its figures into sled in one batch. A
 //! restart seals whatever segment was left unsealed, or whose index file is
 //! missing or damaged (the records are the truth), and starts a new one.
 //! An eviction removes a sealed segment's figures and raises the live
 //! watermark in one batch, flushes, then unlinks its files; a restart
-//! unlinks files below the watermark and index files without a segment. So the figures are never
-//! recounted by a scan, and open time does not grow with the entries.
+//! unlinks files below the watermark and index files without a segment.
+//! So the figures are never recounted by a scan, and open time does not
+//! grow with the entries.
 
 use super::index::{self, Catalog, Location, Sealed, SealedView, SegmentFilter};
 use super::segment_index::{self, Bucket, Entry, SegmentIndex};
@@ -26,10 +27,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockWriteGuard};
 
 /// What an index entry is charged against `cache.disk_bytes` beside its
-/// record: its 20 bytes in its segment's index file and its filter's 9 bits
-/// in sled, twice over for the bucket bounds, sled's framing and the space
-/// sled has not yet reclaimed (docs/BENCHMARKS.md measures the files
-/// against it).
+/// record: its 20 bytes and its filter's 9 bits in its segment's index
+/// file, twice over for the bucket bounds and sled's own files
+/// (docs/BENCHMARKS.md measures the files against it).
 pub const INDEX_CHARGE: u64 = 2 * (segment_index::ENTRY_LEN as u64 + 2);
 
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +48,13 @@ struct Segment {
     sealed: Option<Sealed>,
     /// Its index file's length, once sealed.
     index_bytes: u64,
+}
+
+impl Segment {
+    /// A segment of `bytes` not (yet) sealed.
+    fn unsealed(bytes: u64) -> Segment {
+        Segment { bytes, max_expires_at_ms: 0, sealed: None, index_bytes: 0 }
+    }
 }
 
 /// The segment being appended to.
@@ -146,16 +153,13 @@ impl Store {
                 remove_segment(dir, id)?;
                 continue;
             }
-            segments.insert(id, Segment { bytes, max_expires_at_ms: 0, sealed: None, index_bytes: 0 });
+            segments.insert(id, Segment::unsealed(bytes));
         }
         remove_orphan_indexes(dir, &segments);
         let last = segments.keys().next_back().copied().unwrap_or(0);
         let id = last.max(min_live) + 1;
         let active = Active { id, file: vlog::create(dir, id)?, len: vlog::HEADER_LEN, entries: 0 };
-        segments.insert(
-            id,
-            Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
-        );
+        segments.insert(id, Segment::unsealed(vlog::HEADER_LEN));
         let mut models = HashMap::new();
         for item in db.scan_prefix(index::models()) {
             let (k, v) = item?;
@@ -291,7 +295,7 @@ impl Store {
         Ok(indexed)
     }
 
-    /// Writes a segment's entries to its index file, then its filter and
+    /// Writes a segment's entries and filter to its index file, then its
     /// figures to sled in one batch, then hands them to the catalog.
     fn seal(&mut self, id: u64, entries: Vec<Pending>, max_expires_at_ms: u64) -> Result<(), StoreError> {
         let mut batch = sled::Batch::default();
@@ -482,10 +486,7 @@ impl Store {
             catalog.active.clear();
             catalog.active_id = next;
         }
-        self.segments.insert(
-            next,
-            Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
-        );
+        self.segments.insert(next, Segment::unsealed(vlog::HEADER_LEN));
         self.log_bytes += vlog::HEADER_LEN;
         Ok(())
     }
@@ -654,10 +655,7 @@ impl Store {
                     len: vlog::HEADER_LEN,
                     entries: 0,
                 };
-                self.segments.insert(
-                    next,
-                    Segment { bytes: vlog::HEADER_LEN, max_expires_at_ms: 0, sealed: None, index_bytes: 0 },
-                );
+                self.segments.insert(next, Segment::unsealed(vlog::HEADER_LEN));
                 *self.catalog_mut() = Catalog { active_id: next, ..Catalog::default() };
                 let mut batch = sled::Batch::default();
                 self.meta(&mut batch);
@@ -774,10 +772,7 @@ fn remove_orphan_indexes(dir: &Path, segments: &BTreeMap<u64, Segment>) {
     let Ok(listing) = std::fs::read_dir(dir) else { return };
     for entry in listing.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let id = name
-            .strip_prefix("seg-")
-            .and_then(|n| n.strip_suffix(".idx"))
-            .and_then(|h| u64::from_str_radix(h, 16).ok());
+        let id = segment_index::id_of(&name);
         let orphan = match id {
             Some(id) => !segments.contains_key(&id),
             None => name.starts_with("seg-") && name.ends_with(".idx.new"),
