@@ -276,8 +276,9 @@ pub struct CacheConfig {
     pub enabled: bool,
     /// Bytes the memory layer may hold; 0 turns it off.
     pub memory_bytes: u64,
-    /// Bytes the disk layer's segments (and 96 an entry for its index) may
-    /// take before the oldest segment goes; 0 turns it off.
+    /// Bytes the disk layer's files (its segments, their index files and
+    /// sled's) may take before the oldest segment goes; 0 turns it off,
+    /// else at least 1 MiB (sled's own files take about 100 KiB of it).
     pub disk_bytes: u64,
     /// How long an answer stays valid, unless the model sets `models.NAME.cache_ttl_s`.
     pub ttl_s: u64,
@@ -1071,8 +1072,14 @@ impl Config {
         if self.cache.memory_bytes > 0 && self.cache.memory_bytes < 64 * 1024 {
             bad("cache.memory_bytes", format!("{}: use 0 (off) or at least 65536", self.cache.memory_bytes));
         }
-        if self.cache.disk_bytes > 0 && self.cache.disk_bytes < 64 * 1024 {
-            bad("cache.disk_bytes", format!("{}: use 0 (off) or at least 65536", self.cache.disk_bytes));
+        if self.cache.disk_bytes > 0 && self.cache.disk_bytes < 1024 * 1024 {
+            bad(
+                "cache.disk_bytes",
+                format!(
+                    "{}: use 0 (off) or at least 1048576 (1 MiB: the index's own files take about 100 KiB)",
+                    self.cache.disk_bytes
+                ),
+            );
         }
         let rt = &self.runtime;
         batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms);
@@ -1346,5 +1353,23 @@ mod tests {
         }
         let config = Config::load_with_env(None, env(&[])).unwrap();
         assert_eq!((config.mqtt.share_keep_alive_s, config.mqtt.share_session_expiry_s), (5, 5));
+    }
+
+    /// Issue 37: the disk layer's bound counts sled's own files (about
+    /// 100 KiB), so a bound under 1 MiB would hold next to nothing.
+    #[test]
+    fn a_disk_cache_bound_under_1_mib_is_refused_naming_the_key_and_the_minimum() {
+        let err = Config::load_with_env(None, env(&[("EDGEINFER_CACHE__DISK_BYTES", "262144")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("cache.disk_bytes") && err.contains("262144") && err.contains("1048576"),
+            "{err}"
+        );
+        for allowed in ["0", "1048576"] {
+            let config =
+                Config::load_with_env(None, env(&[("EDGEINFER_CACHE__DISK_BYTES", allowed)])).unwrap();
+            assert_eq!(config.cache.disk_bytes.to_string(), allowed);
+        }
     }
 }

@@ -51,10 +51,11 @@ pub enum Read {
 pub struct DiskStats {
     pub enabled: bool,
     pub entries: u64,
-    /// Bytes the bound counts: the live segments and the index's share.
+    /// Bytes the bound counts: every file of the layer, with room for
+    /// what sled has not written yet.
     pub bytes: u64,
     pub capacity_bytes: u64,
-    /// What the segments and the index's files take.
+    /// What its files take: the segments, their index files and sled's.
     pub size_on_disk: u64,
     pub path: PathBuf,
     /// Why the layer is off, or what happened when it was opened, with the

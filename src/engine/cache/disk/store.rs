@@ -26,10 +26,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock, RwLockWriteGuard};
 
-/// What an index entry is charged against `cache.disk_bytes` beside its
-/// record: its 20 bytes and its filter's 9 bits in its segment's index
-/// file, twice over for the bucket bounds and sled's own files
-/// (docs/BENCHMARKS.md measures the files against it).
+/// What an entry of the active segment is charged against
+/// `cache.disk_bytes` beside its record until the segment is sealed and its
+/// index file's real length is counted instead: its 20 bytes and its
+/// filter's 9 bits, twice over for the bucket bounds and the file's header.
 pub const INDEX_CHARGE: u64 = 2 * (segment_index::ENTRY_LEN as u64 + 2);
 
 #[derive(Debug, thiserror::Error)]
@@ -47,13 +47,13 @@ struct Segment {
     /// Its figures in sled, once sealed.
     sealed: Option<Sealed>,
     /// Its index file's length, once sealed.
-    index_bytes: u64,
+    index_file_bytes: u64,
 }
 
 impl Segment {
     /// A segment of `bytes` not (yet) sealed.
     fn unsealed(bytes: u64) -> Segment {
-        Segment { bytes, max_expires_at_ms: 0, sealed: None, index_bytes: 0 }
+        Segment { bytes, max_expires_at_ms: 0, sealed: None, index_file_bytes: 0 }
     }
 }
 
@@ -94,6 +94,8 @@ pub struct Store {
     /// A batch went to sled since its last flush: most flushes find none
     /// (sled is written per segment), and need not sync it.
     index_dirty: bool,
+    /// sled's files as measured after its last write.
+    sled_bytes: u64,
 }
 
 /// A segment's size for a bound: 64 segments to the bound, so an eviction
@@ -188,7 +190,9 @@ impl Store {
             min_live,
             meta_pending: fresh,
             index_dirty: false,
+            sled_bytes: 0,
         };
+        store.measure_sled();
         store.min_live = min_live.max(*store.segments.keys().next().expect("the active segment is listed"));
         store.load_sealed()?;
         // Segments the index does not have: the one that was active when
@@ -234,7 +238,7 @@ impl Store {
             let segment = self.segments.get_mut(&id).expect("looked up above");
             segment.max_expires_at_ms = sealed.max_expires_at_ms;
             segment.sealed = Some(sealed);
-            segment.index_bytes = index.as_ref().map_or(0, SegmentIndex::len);
+            segment.index_file_bytes = index.as_ref().map_or(0, SegmentIndex::len);
             let index = index.map(Arc::new);
             self.catalog_mut().sealed.insert(id, SealedView { filter, index });
         }
@@ -249,6 +253,19 @@ impl Store {
     fn apply(&mut self, batch: sled::Batch) -> Result<(), StoreError> {
         self.db.apply_batch(batch)?;
         self.index_dirty = true;
+        self.measure_sled();
+        Ok(())
+    }
+
+    /// sled writes its buffers when they fill or at a flush, so its files
+    /// are measured after each write to it (a few a segment of ours).
+    fn measure_sled(&mut self) {
+        self.sled_bytes = self.db.size_on_disk().unwrap_or(self.sled_bytes);
+    }
+
+    fn flush_sled(&mut self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        self.measure_sled();
         Ok(())
     }
 
@@ -329,7 +346,7 @@ impl Store {
         if let Some(segment) = self.segments.get_mut(&id) {
             segment.sealed = Some(sealed);
             segment.max_expires_at_ms = max_expires_at_ms;
-            segment.index_bytes = index.as_ref().map_or(0, |i| i.len());
+            segment.index_file_bytes = index.as_ref().map_or(0, |i| i.len());
         }
         self.catalog_mut().sealed.insert(id, SealedView { filter, index });
         Ok(())
@@ -359,10 +376,23 @@ impl Store {
         Ok(id)
     }
 
-    /// What the bound counts: the live segments' bytes and each entry's
-    /// charge for the index.
+    /// What the bound counts: every file of the store. The segments, the
+    /// sealed ones' index files, a charge for the index file the active one
+    /// will get, and sled's files with room for the buffers it has not
+    /// written yet.
     pub fn bytes(&self) -> u64 {
-        self.log_bytes + (self.entries() + self.pending.len() as u64) * INDEX_CHARGE
+        let active_entries = self.active.entries + self.pending.len() as u64;
+        self.log_bytes + self.index_file_bytes() + active_entries * INDEX_CHARGE + self.sled_charge()
+    }
+
+    fn index_file_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.index_file_bytes).sum()
+    }
+
+    /// sled's files and two of its segments: the buffer it fills and the
+    /// one it may be writing out, which the last measure did not see.
+    fn sled_charge(&self) -> u64 {
+        self.sled_bytes + 2 * INDEX_SEGMENT as u64
     }
 
     /// Entries a read can find: the sealed segments' and the active one's.
@@ -380,22 +410,23 @@ impl Store {
     }
 
     /// What sled's files take.
-    pub fn index_bytes(&self) -> u64 {
+    pub fn sled_bytes(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
     }
 
-    /// sled's files outgrew a floor (a sixteenth of the bound, 2 to 16
-    /// MiB) and `at_least` (twice what the last rebuild left): time to
-    /// build it again from the segments. It holds a few bytes a segment,
-    /// so only a fault would get it there; the writer checks on its timer.
-    pub fn index_outgrown(&self, at_least: u64) -> bool {
-        let floor = (self.capacity / 16).clamp(2 << 20, 16 << 20);
-        self.index_bytes() > floor.max(at_least)
+    /// sled's files outgrew a floor (a sixteenth of the bound, 256 KiB to
+    /// 16 MiB) and `at_least` (twice what the last rebuild left): time to
+    /// build it again from the segments, as the bound that counts them
+    /// squeezes the answers. It holds a few bytes a segment, so only a
+    /// fault would get it there; the writer checks on its timer.
+    pub fn sled_outgrown(&self, at_least: u64) -> bool {
+        let floor = (self.capacity / 16).clamp(256 << 10, 16 << 20);
+        self.sled_bytes() > floor.max(at_least)
     }
 
     /// What the files take: the segments, their index files and sled's.
     pub fn size_on_disk(&self) -> u64 {
-        self.log_bytes + self.segments.values().map(|s| s.index_bytes).sum::<u64>() + self.index_bytes()
+        self.log_bytes + self.index_file_bytes() + self.sled_bytes()
     }
 
     fn active_bytes(&self) -> u64 {
@@ -460,7 +491,7 @@ impl Store {
         self.commit()?;
         self.active.file.sync_data()?;
         if std::mem::take(&mut self.index_dirty) {
-            self.db.flush()?;
+            self.flush_sled()?;
         }
         Ok(())
     }
@@ -519,7 +550,7 @@ impl Store {
         }
         batch.insert(index::MIN_LIVE, &(id + 1).to_be_bytes()[..]);
         self.apply(batch)?;
-        self.db.flush()?;
+        self.flush_sled()?;
         remove_segment(&self.dir, id)?;
         self.min_live = id + 1;
         if let Some(gone) = self.segments.remove(&id) {
@@ -591,7 +622,7 @@ impl Store {
         }
         // The filter of more keys than are left only answers "maybe" more.
         let rewritten = Arc::new(SegmentIndex::write(&self.dir, id, &buckets, &index.filter()?)?);
-        let index_bytes = rewritten.len();
+        let index_file_bytes = rewritten.len();
         if let Some(view) = self.catalog_mut().sealed.get_mut(&id) {
             view.index = Some(rewritten);
         }
@@ -600,7 +631,7 @@ impl Store {
         batch.insert(&index::sealed_key(id)[..], &sealed.encode()[..]);
         self.apply(batch)?;
         let segment = self.segments.get_mut(&id).expect("looked up above");
-        (segment.sealed, segment.index_bytes) = (Some(sealed), index_bytes);
+        (segment.sealed, segment.index_file_bytes) = (Some(sealed), index_file_bytes);
         Ok(gone)
     }
 
@@ -663,7 +694,7 @@ impl Store {
                 removed
             }
         };
-        self.db.flush()?;
+        self.flush_sled()?;
         Ok(removed)
     }
 
@@ -806,12 +837,13 @@ fn remove_old_format(dir: &Path) {
 }
 
 /// sled's segment size: it holds a few bytes per segment of ours and the
-/// model ids, so its own segments can be small, and its files (a few
-/// segments at least) and I/O buffers (one segment each) with them.
-const INDEX_SEGMENT: usize = 64 << 10;
+/// model ids, so its own segments can be small, and its files (four
+/// segments at least: 64 KiB, all counted in the bound) and I/O buffers
+/// (one segment each) with them.
+const INDEX_SEGMENT: usize = 16 << 10;
 
 /// sled refuses files written with another segment size: those of the
-/// layouts before this one (512 KiB), whose index is built again from the
+/// layouts before this one (512 and 64 KiB), whose index is built again from the
 /// segments anyway, go.
 fn remove_other_layout(index_path: &Path) {
     let Ok(conf) = std::fs::read_to_string(index_path.join("conf")) else { return };

@@ -40,7 +40,7 @@ pub(super) struct Writer {
     capacity: u64,
     shared: Arc<Shared>,
     /// What the index's files took after its last rebuild.
-    rebuilt_index_bytes: u64,
+    rebuilt_sled_bytes: u64,
 }
 
 impl Writer {
@@ -57,7 +57,7 @@ impl Writer {
             page_cache_bytes,
             capacity,
             shared,
-            rebuilt_index_bytes: 0,
+            rebuilt_sled_bytes: 0,
         }
     }
 
@@ -83,7 +83,7 @@ impl Writer {
                     flush_due = None;
                     commit_due = None;
                     self.flush();
-                    if self.store.as_ref().is_some_and(|s| s.index_outgrown(2 * self.rebuilt_index_bytes)) {
+                    if self.store.as_ref().is_some_and(|s| s.sled_outgrown(2 * self.rebuilt_sled_bytes)) {
                         self.rebuild_index();
                     }
                     continue;
@@ -223,7 +223,7 @@ impl Writer {
     /// own size the index is dropped and built again from the segments
     /// (reads miss and writes wait meanwhile), as after a lost index.
     fn rebuild_index(&mut self) {
-        let before = self.store.as_ref().map_or(0, Store::index_bytes);
+        let before = self.store.as_ref().map_or(0, Store::sled_bytes);
         let started = Instant::now();
         self.store = None;
         self.shared.set_index(None);
@@ -234,14 +234,14 @@ impl Writer {
         }
         match self.open_store() {
             Ok(store) => {
-                let after = store.index_bytes();
+                let after = store.sled_bytes();
                 tracing::info!(
                     "disk cache index rebuilt from the segments in {:?}: its files took {before} bytes, now {after}",
                     started.elapsed()
                 );
                 metrics::counter!(telemetry::STORE_REBUILDS, "store" => "cache").increment(1);
                 self.shared.index_rebuilds.fetch_add(1, Ordering::Relaxed);
-                self.rebuilt_index_bytes = after;
+                self.rebuilt_sled_bytes = after;
                 self.install(store);
             }
             Err(e) => self.fail(format!("rebuilding the index: {e}")),
