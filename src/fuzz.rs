@@ -71,6 +71,73 @@ fn topic_and_reply(topic: &str, reply: Option<&str>) {
     }
 }
 
+/// The MQTT session (issue 36) fed broker bytes in chunks of any size,
+/// interleaved with what the node does (publish, take a request, lose the
+/// connection, let time pass): it never panics, what it writes decodes,
+/// its read buffer stays within one packet, and it never holds more
+/// broker publishes than its Receive Maximum.
+pub fn mqtt_session(data: &[u8]) {
+    use crate::transport::mqtt::session::{Event, Options, Session};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::mqttbytes::v5::{Packet, Publish};
+    use std::time::Duration;
+    const RECEIVE_MAXIMUM: u16 = 4;
+    const MAX_PACKET: u32 = 1024;
+    let options = Options {
+        client_id: "fuzz".into(),
+        keep_alive: Duration::from_secs(30),
+        clean_start: true,
+        session_expiry_s: 60,
+        receive_maximum: RECEIVE_MAXIMUM,
+        max_packet_size: MAX_PACKET,
+        connect_timeout: Duration::from_secs(10),
+        ping_timeout: Duration::from_secs(5),
+        login: None,
+        will: None,
+    };
+    let mut session = Session::new(options);
+    let mut now = std::time::Instant::now();
+    session.connect(now);
+    let (mut arrivals, mut out, mut rest) = (Vec::new(), bytes::BytesMut::new(), data);
+    while let Some((&op, tail)) = rest.split_first() {
+        rest = tail;
+        match op % 6 {
+            0 | 1 => {
+                let (chunk, tail) = rest.split_at((op as usize / 6 + 1).min(rest.len()));
+                rest = tail;
+                session.handle_read(now, chunk);
+            }
+            2 => {
+                let qos = if op & 8 == 0 { QoS::AtLeastOnce } else { QoS::ExactlyOnce };
+                let _ = session.publish(Publish::new("r", qos, vec![op], None));
+            }
+            3 if !arrivals.is_empty() => session.acknowledge(arrivals.remove(op as usize % arrivals.len())),
+            4 => {
+                session.handle_closed();
+                session.connect(now);
+            }
+            _ => {
+                now += Duration::from_secs(u64::from(op / 6));
+                session.handle_timeout(now);
+            }
+        }
+        while let Some(event) = session.poll_event() {
+            if let Event::Publish { arrival: Some(arrival), .. } = event {
+                arrivals.push(arrival);
+            }
+        }
+        out.clear();
+        session.poll_goodbye(&mut out);
+        let n = session.poll_transmit(&mut out);
+        session.wrote(now, n / 2);
+        while !out.is_empty() {
+            Packet::read(&mut out, None).expect("what the session writes decodes");
+        }
+        assert!(session.buffered() <= MAX_PACKET as usize + 5 + 43, "{} bytes buffered", session.buffered());
+        assert!(session.incoming_in_flight() <= RECEIVE_MAXIMUM.into(), "over our Receive Maximum");
+    }
+}
+
 /// A model manifest's text: refused with a reason, or its files are plain
 /// names inside the version directory.
 pub fn manifest(data: &[u8]) {
@@ -96,10 +163,11 @@ pub fn config(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Every target by name, for runners.
-pub const TARGETS: [(&str, Target); 5] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("oip_json", oip_json),
     ("postcard", postcard),
     ("mqtt_packet", mqtt_packet),
+    ("mqtt_session", mqtt_session),
     ("manifest", manifest),
     ("config", config),
 ];

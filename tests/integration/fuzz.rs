@@ -266,6 +266,64 @@ fn built_publish(rng: &mut fastrand::Rng) -> Vec<u8> {
     out.to_vec()
 }
 
+/// A script for `edgeinfer::fuzz::mqtt_session`: a CONNACK, then broker
+/// packets split at random points, interleaved with the node's publishes,
+/// the requests it takes, dropped connections and time passing.
+fn built_session_script(rng: &mut fastrand::Rng) -> Vec<u8> {
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::mqttbytes::v5::{Packet, PubAck, PubComp, PubRec, PubRel, Publish};
+    let mut script = Vec::new();
+    let feed = |script: &mut Vec<u8>, rng: &mut fastrand::Rng, bytes: &[u8]| {
+        for chunk in bytes.chunks(rng.usize(1..=43)) {
+            script.push(6 * (chunk.len() as u8 - 1));
+            script.extend_from_slice(chunk);
+        }
+    };
+    let connack = |rng: &mut fastrand::Rng| [0x20, 0x03, rng.u8(0..2), 0x00, 0x00];
+    let first = connack(rng);
+    feed(&mut script, rng, &first);
+    for _ in 0..rng.usize(1..40) {
+        let pkid = rng.u16(1..6);
+        let packet = match rng.u8(0..10) {
+            0 | 1 => {
+                let qos = if rng.bool() { QoS::AtLeastOnce } else { QoS::ExactlyOnce };
+                let mut publish =
+                    Publish::new("edgeinfer/fuzz/infer/m", qos, vec![b'{'; rng.usize(0..60)], None);
+                (publish.pkid, publish.dup) = (pkid, rng.bool());
+                Some(Packet::Publish(publish))
+            }
+            2 => Some(Packet::PubAck(PubAck::new(pkid, None))),
+            3 => Some(Packet::PubRec(PubRec::new(pkid, None))),
+            4 => Some(Packet::PubRel(PubRel::new(pkid, None))),
+            5 => Some(Packet::PubComp(PubComp::new(pkid, None))),
+            6 => {
+                script.push(rng.choice([2u8, 8]).unwrap());
+                None
+            }
+            7 => {
+                script.push(3 + 6 * rng.u8(0..8));
+                None
+            }
+            8 => {
+                script.push(4);
+                let again = connack(rng);
+                feed(&mut script, rng, &again);
+                None
+            }
+            _ => {
+                script.push(5 + 6 * rng.u8(0..10));
+                None
+            }
+        };
+        if let Some(packet) = packet {
+            let mut bytes = bytes::BytesMut::new();
+            packet.write(&mut bytes, None).unwrap();
+            feed(&mut script, rng, &bytes);
+        }
+    }
+    script
+}
+
 fn seeds(target: &str) -> Vec<Vec<u8>> {
     let mut seeds = committed(target);
     if target == "oip_json" {
@@ -281,6 +339,7 @@ fn next_input(target: &str, rng: &mut fastrand::Rng, corpus: &[Vec<u8>], json_se
         ("oip_json", 0) => return edited_json(rng, json_seed),
         ("postcard", 0) => built_postcard(rng),
         ("mqtt_packet", 0) => built_publish(rng),
+        ("mqtt_session", 0 | 1) => built_session_script(rng),
         _ if corpus.is_empty() => Vec::new(),
         _ => corpus[rng.usize(..corpus.len())].clone(),
     };
@@ -373,14 +432,20 @@ fn seeds_for_the_binary_formats_can_be_regenerated() {
     let mut rng = fastrand::Rng::with_seed(1);
     let postcard: Vec<Vec<u8>> = (0..8).map(|_| built_postcard(&mut rng)).collect();
     let publish: Vec<Vec<u8>> = (0..8).map(|_| built_publish(&mut rng)).collect();
+    let session: Vec<Vec<u8>> = (0..8).map(|_| built_session_script(&mut rng)).collect();
     for input in postcard.iter() {
         assert!(run(edgeinfer::fuzz::postcard, input).is_none());
     }
     for input in publish.iter() {
         assert!(run(edgeinfer::fuzz::mqtt_packet, input).is_none());
     }
+    for input in session.iter() {
+        assert!(run(edgeinfer::fuzz::mqtt_session, input).is_none());
+    }
     if std::env::var("EDGEINFER_FUZZ_SAVE_SEEDS").as_deref() == Ok("1") {
-        for (target, inputs) in [("postcard", &postcard), ("mqtt_packet", &publish)] {
+        for (target, inputs) in
+            [("postcard", &postcard), ("mqtt_packet", &publish), ("mqtt_session", &session)]
+        {
             let dir: &Path = &fuzz_dir().join("corpus").join(target);
             std::fs::create_dir_all(dir).unwrap();
             for (i, input) in inputs.iter().enumerate() {

@@ -10,6 +10,7 @@ mod control;
 mod options;
 mod outbox;
 mod replay;
+pub mod session;
 mod share;
 mod signed;
 mod site;
@@ -33,6 +34,7 @@ use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, SubscribeReasonCode};
 use rumqttc::v5::{AsyncClient, Event, EventLoop};
+use session::Backoff;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -326,7 +328,7 @@ impl MqttService {
                     (awaiting_suback, subscribed) = (false, false);
                     metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    let wait = backoff.next();
+                    let wait = backoff.next_wait();
                     tracing::warn!("MQTT connection: {e}; reconnecting in {} ms", wait.as_millis());
                     tokio::time::sleep(wait).await;
                 }
@@ -704,47 +706,5 @@ impl RequestTask {
             Some(first) => ack.send_first(reply, first),
             None => ack.send(Some(reply)),
         }
-    }
-}
-
-/// Exponential backoff with full jitter, so a fleet does not reconnect in step.
-struct Backoff {
-    base: Duration,
-    max: Duration,
-    attempt: u32,
-}
-
-impl Backoff {
-    fn new(base: Duration, max: Duration) -> Backoff {
-        Backoff { base, max, attempt: 0 }
-    }
-
-    fn reset(&mut self) {
-        self.attempt = 0;
-    }
-
-    fn next(&mut self) -> Duration {
-        let ceiling = self.base.saturating_mul(1 << self.attempt.min(16)).min(self.max);
-        self.attempt += 1;
-        let jitter = fastrand::f64();
-        ceiling.mul_f64(0.5 + 0.5 * jitter)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_to_its_ceiling_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let first = b.next();
-        assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100), "{first:?}");
-        for _ in 0..20 {
-            assert!(b.next() <= Duration::from_secs(5));
-        }
-        assert!(b.next() >= Duration::from_millis(2500));
-        b.reset();
-        assert!(b.next() <= Duration::from_millis(100));
     }
 }

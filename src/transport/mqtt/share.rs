@@ -181,7 +181,7 @@ impl ShareLink {
                     line.conn.connected = false;
                     self.set_joined(false);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    tokio::time::sleep(backoff.next()).await;
+                    tokio::time::sleep(backoff.next_wait()).await;
                 }
             }
         }

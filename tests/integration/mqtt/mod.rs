@@ -19,6 +19,7 @@ mod redis;
 mod rollout;
 #[cfg(feature = "failpoints")]
 mod rollout_faults;
+mod session;
 mod share_failover;
 mod site_rollout;
 pub mod support;
