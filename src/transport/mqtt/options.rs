@@ -117,6 +117,14 @@ pub fn client_options(
     Ok(options)
 }
 
+/// The TLS config of a `mqtts://` broker URL, `None` for `mqtt://`.
+pub fn tls_for(config: &MqttConfig) -> Result<Option<Arc<rustls::ClientConfig>>, OptionsError> {
+    Ok(match BrokerAddress::parse(&config.url)?.tls {
+        true => Some(Arc::new(tls_config(config)?)),
+        false => None,
+    })
+}
+
 fn tls_config(config: &MqttConfig) -> Result<rustls::ClientConfig, TlsError> {
     let identity = match (&config.client_cert_file, &config.client_key_file) {
         (Some(cert), Some(key)) => {

@@ -13,13 +13,13 @@
 //! The member with the smallest node id judges. A node that is not
 //! connected, or not yet past the retained messages, serves stable alone.
 
-use super::options::{OptionsError, client_options};
+use super::options::{BrokerAddress, OptionsError, credentials, tls_for};
+use super::session::{Driver, Event, Options, Session};
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::rollout::{Deployment, Rollout, SiteIn, SiteOut, StepFigures};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Packet, Publish};
-use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Login, Publish};
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
@@ -32,11 +32,26 @@ const RETAINED_WITHIN: Duration = Duration::from_millis(500);
 /// The largest site message read: a deployment with its history, or a
 /// step's figures. Larger ones are dropped.
 const MAX_MESSAGE: usize = 256 * 1024;
+/// How long a lost connection waits before the next try.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// The first MQTT connection of the node on its own session layer
+/// (issue 36, `super::session`): no session kept, QoS 1 and 0 out, the
+/// site's retained messages in.
 pub struct SiteLink {
-    options: MqttOptions,
+    options: Options,
+    address: BrokerAddress,
+    tls: Option<Arc<rustls::ClientConfig>>,
     prefix: String,
     node: String,
+}
+
+/// What woke the link's loop.
+enum Wake {
+    Stop,
+    Synced,
+    Out(SiteOut),
+    Session(Event),
 }
 
 impl SiteLink {
@@ -44,17 +59,24 @@ impl SiteLink {
         let (mqtt, node) = (&config.mqtt, config.node.id.clone());
         let client_id =
             format!("{}-site", mqtt.client_id.clone().unwrap_or_else(|| format!("edgeinfer-{node}")));
-        let mut options = client_options(mqtt, &client_id, MAX_MESSAGE as u32 + 1024, 64)?;
         let prefix = mqtt.topic_prefix.clone();
-        options
+        let keep_alive = Duration::from_secs(u64::from(config.site.keep_alive_s));
+        let will = LastWill::new(member_topic(&prefix, &node), "", QoS::AtLeastOnce, true, None);
+        let options = Options {
+            client_id,
+            keep_alive,
             // Nothing of this connection outlives it: the site's state is
             // retained, and a node that returns reads it again.
-            .set_clean_start(true)
-            .set_session_expiry_interval(None)
-            .set_manual_acks(false)
-            .set_keep_alive(Duration::from_secs(u64::from(config.site.keep_alive_s)))
-            .set_last_will(LastWill::new(member_topic(&prefix, &node), "", QoS::AtLeastOnce, true, None));
-        Ok(SiteLink { options, prefix, node })
+            clean_start: true,
+            session_expiry_s: 0,
+            receive_maximum: 64,
+            max_packet_size: MAX_MESSAGE as u32 + 1024,
+            connect_timeout: Duration::from_secs(10),
+            ping_timeout: keep_alive,
+            login: credentials(mqtt)?.map(|(user, password)| Login::new(user, password)),
+            will: Some(will),
+        };
+        Ok(SiteLink { options, address: BrokerAddress::parse(&mqtt.url)?, tls: tls_for(mqtt)?, prefix, node })
     }
 
     /// Carries `to_site` out and what the site says in to `rollout`, until
@@ -66,61 +88,79 @@ impl SiteLink {
         shutdown: impl Future<Output = ()>,
     ) {
         let Some(rollout) = engine.rollout() else { return };
-        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
+        let session = Session::new(self.options.clone());
+        let mut link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
         let mut members = BTreeSet::new();
         let (mut connected, mut judge) = (false, false);
         let synced_at = tokio::time::sleep(Duration::from_secs(3600));
         tokio::pin!(synced_at, shutdown);
-        let mut awaiting_sync = false;
+        let (mut awaiting_sync, mut said_down) = (false, false);
         loop {
-            let event = tokio::select! {
-                _ = &mut shutdown => break,
-                () = &mut synced_at, if awaiting_sync => {
+            if !link.is_open() {
+                let connecting = tokio::select! {
+                    _ = &mut shutdown => break,
+                    connected = link.connect() => connected,
+                };
+                if let Err(e) = connecting {
+                    // Once until it is back: a broker that is away is retried every second.
+                    if !std::mem::replace(&mut said_down, true) {
+                        tracing::warn!("site link: connecting: {e}; serving stable alone until it is back");
+                    }
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(RETRY_AFTER) => continue,
+                    }
+                }
+            }
+            let wake = tokio::select! {
+                _ = &mut shutdown => Wake::Stop,
+                () = &mut synced_at, if awaiting_sync => Wake::Synced,
+                Some(out) = to_site.recv() => Wake::Out(out),
+                event = link.next() => Wake::Session(event),
+            };
+            match wake {
+                Wake::Stop => break,
+                Wake::Synced => {
                     awaiting_sync = false;
                     rollout.site_in(SiteIn::Synced(true)).await;
                     judge = self.judge_now(rollout, &members, judge).await;
-                    continue;
                 }
-                Some(out) = to_site.recv() => {
-                    // While away, what is decided here is sent again on sync.
-                    if connected {
-                        self.send(&client, out);
-                    }
-                    continue;
-                }
-                event = eventloop.poll() => event,
-            };
-            match event {
-                Ok(Event::Incoming(Packet::ConnAck(_))) => {
-                    connected = true;
+                // While away, what is decided here is sent again on sync.
+                Wake::Out(out) if connected => self.send(link.session(), out),
+                Wake::Out(_) => {}
+                Wake::Session(Event::Connected { .. }) => {
+                    (connected, said_down) = (true, false);
                     let filters = ["rollout/+", "figures/+/+", "members/+"]
                         .map(|t| Filter::new(format!("{}/site/{t}", self.prefix), QoS::AtLeastOnce));
-                    if let Err(e) = client.try_subscribe_many(filters) {
-                        tracing::error!("site link: subscribing: {e}");
-                    }
+                    link.session().subscribe(filters.to_vec());
                     let member = serde_json::json!({"node": self.node}).to_string();
-                    let _ = client.try_publish(
+                    self.publish(
+                        link.session(),
                         member_topic(&self.prefix, &self.node),
                         QoS::AtLeastOnce,
                         true,
                         member,
                     );
                 }
-                Ok(Event::Incoming(Packet::SubAck(_))) => {
+                Wake::Session(Event::Subscribed { .. }) => {
                     synced_at.as_mut().reset(tokio::time::Instant::now() + RETAINED_WITHIN);
                     awaiting_sync = true;
                 }
-                Ok(Event::Incoming(Packet::Publish(publish))) => {
+                Wake::Session(Event::Publish { arrival, publish }) => {
+                    // Nothing here needs redelivery: acknowledged as read.
+                    if let Some(arrival) = arrival {
+                        link.session().acknowledge(arrival);
+                    }
                     if let Some(heard) = self.read(&publish, &mut members) {
                         rollout.site_in(heard).await;
                     } else if !awaiting_sync && connected {
                         judge = self.judge_now(rollout, &members, judge).await;
                     }
                 }
-                Ok(_) => {}
-                Err(e) => {
+                Wake::Session(Event::Closed(why)) => {
                     if connected {
-                        tracing::warn!("site link: {e}; serving stable alone until it is back");
+                        said_down = true;
+                        tracing::warn!("site link: {why}; serving stable alone until it is back");
                         rollout.site_in(SiteIn::Synced(false)).await;
                         if judge {
                             judge = false;
@@ -129,11 +169,17 @@ impl SiteLink {
                     }
                     (connected, awaiting_sync) = (false, false);
                     members.clear();
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(RETRY_AFTER) => {}
+                    }
                 }
+                Wake::Session(_) => {}
             }
         }
-        self.leave(&client, &mut eventloop).await;
+        if connected {
+            self.leave(&mut link).await;
+        }
     }
 
     /// A site message as the owner thread takes it; `None` for a member
@@ -191,31 +237,50 @@ impl SiteLink {
         judge
     }
 
-    fn send(&self, client: &AsyncClient, out: SiteOut) {
-        let (topic, qos, retain, payload) = match out {
+    fn send(&self, session: &mut Session, out: SiteOut) {
+        match out {
             SiteOut::State { model, deployment } => {
                 let payload = serde_json::to_vec(&*deployment).expect("a deployment is plain data");
-                (format!("{}/site/rollout/{model}", self.prefix), QoS::AtLeastOnce, true, payload)
+                let topic = format!("{}/site/rollout/{model}", self.prefix);
+                self.publish(session, topic, QoS::AtLeastOnce, true, payload);
             }
             SiteOut::Figures { model, figures } => {
                 let payload = serde_json::to_vec(&*figures).expect("figures are plain data");
-                (
-                    format!("{}/site/figures/{model}/{}", self.prefix, self.node),
-                    QoS::AtMostOnce,
-                    false,
-                    payload,
-                )
+                let topic = format!("{}/site/figures/{model}/{}", self.prefix, self.node);
+                self.publish(session, topic, QoS::AtMostOnce, false, payload);
             }
-        };
-        if let Err(e) = client.try_publish(topic, qos, retain, payload) {
+        }
+    }
+
+    fn publish(
+        &self,
+        session: &mut Session,
+        topic: String,
+        qos: QoS,
+        retain: bool,
+        payload: impl Into<bytes::Bytes>,
+    ) {
+        let mut publish = Publish::new(topic, qos, payload.into(), None);
+        publish.retain = retain;
+        if let Err(e) = session.publish(publish) {
             tracing::warn!("site link: publishing: {e}");
         }
     }
 
-    /// Removes this node from the members, so the judging moves at once.
-    async fn leave(&self, client: &AsyncClient, eventloop: &mut EventLoop) {
-        let _ = client.try_publish(member_topic(&self.prefix, &self.node), QoS::AtLeastOnce, true, "");
-        super::disconnect(client, eventloop).await;
+    /// Removes this node from the members, so the judging moves at once:
+    /// the empty record confirmed (at most 2 s), then a clean DISCONNECT,
+    /// so the will is not published over it.
+    async fn leave(&self, link: &mut Driver) {
+        self.publish(link.session(), member_topic(&self.prefix, &self.node), QoS::AtLeastOnce, true, "");
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            while link.session().unconfirmed() > 0 {
+                if let Event::Closed(_) = link.next().await {
+                    return;
+                }
+            }
+        })
+        .await;
+        link.disconnect().await;
     }
 }
 

@@ -256,3 +256,44 @@ async fn finding_6_one_rollout_per_site_judged_once_on_every_nodes_figures_survi
         devices.sent_at.len()
     );
 }
+
+/// Issue 36: the site link on the session layer of our own. A node's
+/// member record is retained while it runs; SIGTERM removes it (an empty
+/// retained record, then a clean DISCONNECT, so no will over it), and so
+/// does kill -9 (its will, at once on the TCP reset).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_a_site_member_while_it_runs_and_leaves_on_sigterm_and_on_kill_9() {
+    let Some(mosquitto) = Mosquitto::start() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("EDGEINFER_SITE__ROLLOUT", "true")];
+    let mut members = Client::connect(mosquitto.port, "member-watch", &["edgeinfer/site/members/+"]).await;
+    for (id, sigterm) in [("site-m1", true), ("site-m2", false)] {
+        let state = dir.path().join(id);
+        let state = state.display().to_string();
+        let env = [env[0], ("EDGEINFER_NODE__STATE_DIR", state.as_str())];
+        let mut node = tokio::task::spawn_blocking({
+            let url = mosquitto.url();
+            let env: Vec<(&'static str, String)> = env.iter().map(|(k, v)| (*k, v.to_string())).collect();
+            move || {
+                let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                Node::start(&url, id, &env)
+            }
+        })
+        .await
+        .unwrap();
+        let joined = members.next(Duration::from_secs(10)).await.expect("the member record");
+        assert_eq!(joined.topic, format!("edgeinfer/site/members/{id}"));
+        assert_eq!(serde_json::from_slice::<Value>(&joined.payload).unwrap()["node"], id);
+        let left_at = Instant::now();
+        if sigterm {
+            tokio::task::spawn_blocking(move || assert!(node.terminate().success())).await.unwrap();
+        } else {
+            node.kill9();
+        }
+        let left = members.next(Duration::from_secs(10)).await.expect("the member record removed");
+        assert_eq!((left.topic.as_ref(), left.payload.is_empty()), (joined.topic.as_ref(), true));
+        assert!(left_at.elapsed() < Duration::from_secs(5), "{id} left after {:?}", left_at.elapsed());
+        // The removal is retained: nothing else follows it (no will after a clean leave).
+        assert!(members.next(Duration::from_millis(500)).await.is_none());
+    }
+}

@@ -78,14 +78,22 @@ impl Driver {
     /// the caller waits (`Backoff`) and tries again.
     pub async fn connect(&mut self) -> std::io::Result<()> {
         self.close();
-        let tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+        let timeout = self.session.connect_timeout();
+        let connecting = TcpStream::connect((self.host.as_str(), self.port));
+        let tcp = tokio::time::timeout(timeout, connecting)
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no TCP connection in time"))??;
         // Nagle against delayed ACKs costs 44-88 ms a request (shared/PRODUCT.md).
         tcp.set_nodelay(true)?;
         let io: Box<dyn Io> = match &self.tls {
             Some(config) => {
                 let name = rustls::pki_types::ServerName::try_from(self.host.clone())
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-                Box::new(tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await?)
+                let handshake = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp);
+                let tls = tokio::time::timeout(timeout, handshake).await.map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no TLS handshake in time")
+                })??;
+                Box::new(tls)
             }
             None => Box::new(tcp),
         };
@@ -153,6 +161,13 @@ impl Driver {
         if let Some(mut write) = write.filter(|_| !bytes.is_empty()) {
             let _ = tokio::time::timeout(GOODBYE_TIMEOUT, write.write_all(&bytes)).await;
         }
+    }
+
+    /// Leaves the broker cleanly (DISCONNECT, so no will is published)
+    /// and closes the connection.
+    pub async fn disconnect(&mut self) {
+        self.session.disconnect();
+        self.goodbye().await;
     }
 
     fn lost(&mut self, why: &'static str) -> Event {

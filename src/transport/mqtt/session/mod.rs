@@ -110,6 +110,21 @@ pub enum Closed {
     Lost(&'static str),
 }
 
+impl std::fmt::Display for Closed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Closed::Refused(code) => write!(f, "the broker refused the connection ({code:?})"),
+            Closed::ConnAckTimeout => f.write_str("no CONNACK in time"),
+            Closed::PingTimeout => f.write_str("no PINGRESP in time"),
+            Closed::ByBroker(reason) => write!(f, "the broker disconnected ({reason:?})"),
+            Closed::Protocol(reason, what) => {
+                write!(f, "the broker sent {what} (we sent DISCONNECT {reason:?})")
+            }
+            Closed::Lost(what) => f.write_str(what),
+        }
+    }
+}
+
 /// Why `Session::publish` did not take a publish.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PublishError {

@@ -165,6 +165,22 @@ impl Session {
         self.timers.set(Timer::ConnAck, now + self.options.connect_timeout);
     }
 
+    /// Leaves the broker cleanly (DISCONNECT, normal: no will): the
+    /// driver writes it (`poll_goodbye`) and closes.
+    pub fn disconnect(&mut self) {
+        if self.link != Link::Down {
+            let normal = Disconnect::new(DisconnectReasonCode::NormalDisconnection);
+            self.goodbye = Some(Packet::Disconnect(normal));
+            self.link = Link::Down;
+            self.timers.stop_all();
+        }
+    }
+
+    /// How long a CONNACK may take; the driver bounds its connect by it too.
+    pub fn connect_timeout(&self) -> Duration {
+        self.options.connect_timeout
+    }
+
     /// The connection closed under us (EOF, an error, or after `Closed`).
     pub fn handle_closed(&mut self) {
         self.link = Link::Down;
