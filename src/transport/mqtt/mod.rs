@@ -18,7 +18,7 @@ mod topics;
 
 pub use ask::{AskError, ControlAsk, ask};
 pub use control::ControlAuth;
-pub use options::{BrokerAddress, OptionsError, client_options, credentials, tls_for};
+pub use options::{BrokerAddress, OptionsError, client_options, credentials, session_options, tls_for};
 pub use signed::{ControlCommand, ControlKey, KeyError, MIN_KEY_BYTES, SCHEME};
 pub use site::SiteLink;
 pub use topics::{ReplyRefusal, Topics, valid_reply_topic};

@@ -117,6 +117,33 @@ pub fn client_options(
     Ok(options)
 }
 
+/// The same session settings for the session layer of our own
+/// (`super::session`): a persistent session (no clean start, the session
+/// kept `mqtt.session_expiry_s`), `receive_maximum` requests in flight,
+/// packets up to `max_packet`, the login; no will (a caller sets one).
+pub fn session_options(
+    config: &MqttConfig,
+    client_id: &str,
+    max_packet: u32,
+    receive_maximum: u16,
+) -> Result<super::session::Options, OptionsError> {
+    let keep_alive = Duration::from_secs(config.keep_alive_s.max(5) as u64);
+    Ok(super::session::Options {
+        client_id: client_id.to_string(),
+        keep_alive,
+        clean_start: false,
+        session_expiry_s: config.session_expiry_s,
+        receive_maximum,
+        max_packet_size: max_packet,
+        connect_timeout: Duration::from_secs(10),
+        // As rumqttc: a PINGRESP missing by the next keep alive ends it.
+        ping_timeout: keep_alive,
+        login: credentials(config)?
+            .map(|(user, password)| rumqttc::v5::mqttbytes::v5::Login::new(user, password)),
+        will: None,
+    })
+}
+
 /// The TLS config of a `mqtts://` broker URL, `None` for `mqtt://`.
 pub fn tls_for(config: &MqttConfig) -> Result<Option<Arc<rustls::ClientConfig>>, OptionsError> {
     Ok(match BrokerAddress::parse(&config.url)?.tls {
@@ -149,6 +176,32 @@ mod tests {
         assert_eq!((a.host.as_str(), a.port), ("::1", 1883));
         assert!(BrokerAddress::parse("mqtt://host:99999").unwrap_err().to_string().contains("port"));
         assert!(BrokerAddress::parse("http://host").is_err());
+    }
+
+    /// The session layer of our own is asked for what rumqttc was.
+    #[test]
+    fn session_options_carry_the_same_session_settings_as_the_client_options() {
+        let dir = tempfile::tempdir().unwrap();
+        let password = dir.path().join("password");
+        std::fs::write(&password, "s3cret\n").unwrap();
+        let config = MqttConfig {
+            url: "mqtt://127.0.0.1:1883".into(),
+            keep_alive_s: 2,
+            session_expiry_s: 900,
+            username: Some("node".into()),
+            password_file: Some(password),
+            ..MqttConfig::default()
+        };
+        let ours = session_options(&config, "n", 1 << 20, 512).unwrap();
+        let theirs = client_options(&config, "n", 1 << 20, 512).unwrap();
+        assert_eq!(ours.keep_alive, theirs.keep_alive());
+        assert_eq!(
+            (ours.clean_start, Some(ours.session_expiry_s)),
+            (theirs.clean_start(), theirs.session_expiry_interval())
+        );
+        assert_eq!((ours.receive_maximum, ours.max_packet_size), (512, 1 << 20));
+        let login = ours.login.unwrap();
+        assert_eq!((login.username.as_str(), login.password.as_str()), ("node", "s3cret"));
     }
 
     #[test]

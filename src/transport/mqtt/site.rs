@@ -13,13 +13,13 @@
 //! The member with the smallest node id judges. A node that is not
 //! connected, or not yet past the retained messages, serves stable alone.
 
-use super::options::{BrokerAddress, OptionsError, credentials, tls_for};
+use super::options::{BrokerAddress, OptionsError, session_options, tls_for};
 use super::session::{Driver, Event, Options, Session};
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::rollout::{Deployment, Rollout, SiteIn, SiteOut, StepFigures};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Login, Publish};
+use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish};
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
@@ -63,18 +63,14 @@ impl SiteLink {
         let keep_alive = Duration::from_secs(u64::from(config.site.keep_alive_s));
         let will = LastWill::new(member_topic(&prefix, &node), "", QoS::AtLeastOnce, true, None);
         let options = Options {
-            client_id,
             keep_alive,
+            ping_timeout: keep_alive,
             // Nothing of this connection outlives it: the site's state is
             // retained, and a node that returns reads it again.
             clean_start: true,
             session_expiry_s: 0,
-            receive_maximum: 64,
-            max_packet_size: MAX_MESSAGE as u32 + 1024,
-            connect_timeout: Duration::from_secs(10),
-            ping_timeout: keep_alive,
-            login: credentials(mqtt)?.map(|(user, password)| Login::new(user, password)),
             will: Some(will),
+            ..session_options(mqtt, &client_id, MAX_MESSAGE as u32 + 1024, 64)?
         };
         Ok(SiteLink { options, address: BrokerAddress::parse(&mqtt.url)?, tls: tls_for(mqtt)?, prefix, node })
     }

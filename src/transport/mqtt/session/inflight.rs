@@ -40,7 +40,8 @@ pub struct OutgoingTable {
     order_of: HashMap<u16, u64>,
     next_order: u64,
     next_pkid: u16,
-    /// Packet ids of SUBSCRIBEs awaiting their SUBACK: the same id space.
+    /// Packet ids of SUBSCRIBEs and UNSUBSCRIBEs awaiting their SUBACK or
+    /// UNSUBACK: the same id space.
     subscribing: HashSet<u16>,
 }
 
@@ -70,6 +71,10 @@ impl OutgoingTable {
         self.next_order += 1;
         self.order_of.insert(publish.pkid, order);
         self.by_order.insert(order, Outgoing { publish, stage: Stage::Waiting, holds_quota: false, written });
+    }
+
+    pub fn get(&self, pkid: u16) -> Option<&Outgoing> {
+        self.by_order.get(self.order_of.get(&pkid)?)
     }
 
     pub fn get_mut(&mut self, pkid: u16) -> Option<&mut Outgoing> {
@@ -129,6 +134,10 @@ struct Held {
     /// Held across a resume: the broker sends it again, and where that
     /// comes in its re-sends decides its place in line.
     resend_due: bool,
+    /// Our publish (its reply) that must be written before this
+    /// acknowledgement: a node that dies between the two leaves the
+    /// request with the broker, not answered by no one.
+    after: Option<u16>,
 }
 
 /// What an arrival became when the application took it.
@@ -198,24 +207,25 @@ impl IncomingTable {
         let arrival = Arrival(self.next_arrival);
         self.next_arrival += 1;
         self.holding.insert(pkid);
-        self.held.push_back(Held { arrival, pkid, qos, taken, resend_due: false });
+        self.held.push_back(Held { arrival, pkid, qos, taken, resend_due: false, after: None });
         if taken { Incoming::Again } else { Incoming::New(arrival) }
     }
 
     /// The application took `arrival`: answers the acknowledgements that
     /// now may go, in arrival order. One not held (from a session the
     /// broker lost, or taken twice) releases nothing.
-    pub fn take(&mut self, arrival: Arrival) -> Vec<Ack> {
+    pub fn take(&mut self, arrival: Arrival, after: Option<u16>, written: impl Fn(u16) -> bool) -> Vec<Ack> {
         if let Some(held) = self.held.iter_mut().find(|h| h.arrival == arrival) {
-            held.taken = true;
+            (held.taken, held.after) = (true, after);
         }
-        self.ready()
+        self.ready(written)
     }
 
-    /// The acknowledgements the front of the line lets go.
-    pub fn ready(&mut self) -> Vec<Ack> {
+    /// The acknowledgements the front of the line lets go; `written` says
+    /// whether one of our publishes has been written.
+    pub fn ready(&mut self, written: impl Fn(u16) -> bool) -> Vec<Ack> {
         let mut acks = Vec::new();
-        while self.held.front().is_some_and(|h| h.taken && !h.resend_due) {
+        while self.held.front().is_some_and(|h| h.taken && !h.resend_due && h.after.is_none_or(&written)) {
             let held = self.held.pop_front().expect("looked at the front");
             self.holding.remove(&held.pkid);
             if held.qos == QoS::ExactlyOnce {

@@ -91,6 +91,9 @@ pub enum Event {
         pkid: u16,
         codes: Vec<SubscribeReasonCode>,
     },
+    Unsubscribed {
+        pkid: u16,
+    },
     /// The connection is over: write what `poll_goodbye` gives (a
     /// DISCONNECT saying why), then close it. The session's publishes, and
     /// the acknowledgements not yet written, stay for the next connection.

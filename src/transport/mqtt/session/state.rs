@@ -13,7 +13,7 @@ use rumqttc::v5::mqttbytes::v5::check;
 use rumqttc::v5::mqttbytes::v5::{
     ConnAck, Connect, ConnectProperties, ConnectReturnCode, Disconnect, DisconnectProperties,
     DisconnectReasonCode, Filter, Packet, PingReq, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
-    PubRecReason, PubRel, Publish, Subscribe,
+    PubRecReason, PubRel, Publish, Subscribe, Unsubscribe,
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
 use std::collections::VecDeque;
@@ -250,7 +250,11 @@ impl Session {
                     self.events.push_back(Event::Subscribed { pkid: ack.pkid, codes: ack.return_codes });
                 }
             }
-            Packet::UnsubAck(_) => {}
+            Packet::UnsubAck(ack) => {
+                if self.outgoing.subscribed(ack.pkid) {
+                    self.events.push_back(Event::Unsubscribed { pkid: ack.pkid });
+                }
+            }
             Packet::PingResp(_) => self.timers.stop(Timer::PingResp),
             Packet::Disconnect(disconnect) => self.close(Closed::ByBroker(disconnect.reason_code)),
             _ => self.protocol_error(DisconnectReasonCode::ProtocolError, "a packet only a client sends"),
@@ -330,9 +334,7 @@ impl Session {
             Incoming::OverLimit => self
                 .protocol_error(DisconnectReasonCode::ReceiveMaximumExceeded, "more publishes than we allow"),
             Incoming::Again => {
-                for ack in self.incoming.ready() {
-                    self.queue_ack(ack_packet(ack));
-                }
+                self.release_acks();
             }
         }
     }
@@ -383,7 +385,7 @@ impl Session {
                 !entry.holds_quota && matches!(entry.stage, Stage::Waiting | Stage::ReleaseWaiting);
             if needs_quota {
                 if self.send_quota == 0 {
-                    return;
+                    break;
                 }
                 self.send_quota -= 1;
                 entry.holds_quota = true;
@@ -403,6 +405,8 @@ impl Session {
                 Stage::Sent | Stage::Released => {}
             }
         }
+        // Replies now on their way release the acknowledgements behind them.
+        self.release_acks();
     }
 
     /// Takes a publish to the broker. QoS 1 and 2 get their packet id now
@@ -465,10 +469,40 @@ impl Session {
         Some(pkid)
     }
 
+    /// Unsubscribes on this connection: the packet id `Unsubscribed` will
+    /// name.
+    pub fn unsubscribe(&mut self, filters: Vec<String>) -> Option<u16> {
+        if self.link != Link::Up || filters.is_empty() {
+            return None;
+        }
+        let pkid = self.outgoing.free_pkid()?;
+        self.outgoing.subscribe(pkid);
+        self.tx.push_back(Packet::Unsubscribe(Unsubscribe { pkid, filters, properties: None }));
+        Some(pkid)
+    }
+
     /// The application took a broker publish: its PUBACK or PUBREC goes
     /// once every earlier one's has.
     pub fn acknowledge(&mut self, arrival: Arrival) {
-        for ack in self.incoming.take(arrival) {
+        self.acknowledge_after(arrival, None);
+    }
+
+    /// `acknowledge`, but not before our publish `reply` (a packet id
+    /// `publish` gave) is written: the reply leaves ahead of the
+    /// acknowledgement on this connection.
+    pub fn acknowledge_after(&mut self, arrival: Arrival, reply: Option<u16>) {
+        let outgoing = &self.outgoing;
+        let acks = self.incoming.take(arrival, reply, |pkid| written(outgoing, pkid));
+        for ack in acks {
+            self.queue_ack(ack_packet(ack));
+        }
+    }
+
+    /// The acknowledgements that may go now.
+    fn release_acks(&mut self) {
+        let outgoing = &self.outgoing;
+        let acks = self.incoming.ready(|pkid| written(outgoing, pkid));
+        for ack in acks {
             self.queue_ack(ack_packet(ack));
         }
     }
@@ -603,6 +637,12 @@ fn short_disconnect(frame: &[u8]) -> Option<Option<DisconnectReasonCode>> {
         [0xE0, 1, reason] => Some(DisconnectReasonCode::try_from(*reason).ok()),
         _ => None,
     }
+}
+
+/// Whether our publish `pkid` has been queued to go on this connection
+/// (after the packets before it), or is settled.
+fn written(outgoing: &OutgoingTable, pkid: u16) -> bool {
+    outgoing.get(pkid).is_none_or(|o| o.stage != Stage::Waiting)
 }
 
 /// A PUBACK, or a PUBCOMP that completes a publish: once written, the

@@ -237,6 +237,33 @@ fn a_publish_sent_again_while_held_is_not_handed_over_twice_and_an_unwritten_pub
 }
 
 #[test]
+fn an_acknowledgement_waits_for_its_reply_to_be_written_and_unsubscribe_is_confirmed() {
+    let (mut s, now) = up(Some(1));
+    let first = s.publish(publish("r", QoS::AtLeastOnce, "first")).unwrap();
+    written(&mut s, now);
+    feed(&mut s, now, &[broker_publish(8, QoS::AtLeastOnce, "request")]);
+    let [Event::Publish { arrival: Some(arrival), .. }] = events(&mut s)[..] else { panic!() };
+    // Its reply waits for the broker's quota; so does its acknowledgement.
+    let reply = s.publish(publish("r", QoS::AtLeastOnce, "reply")).unwrap();
+    s.acknowledge_after(arrival, Some(reply));
+    assert!(written(&mut s, now).is_empty());
+    feed(&mut s, now, &[Packet::PubAck(PubAck::new(first, None))]);
+    let out = written(&mut s, now);
+    assert!(
+        matches!(&out[..], [Packet::Publish(p), Packet::PubAck(a)] if p.pkid == reply && a.pkid == 8),
+        "the reply, then the acknowledgement, in one write: {out:?}"
+    );
+    let id = s.unsubscribe(vec!["a/#".into()]).unwrap();
+    assert!(
+        matches!(&written(&mut s, now)[..], [Packet::Unsubscribe(u)] if u.pkid == id && u.filters == ["a/#"])
+    );
+    let reasons = vec![rumqttc::v5::mqttbytes::v5::UnsubAckReason::Success];
+    let unsuback = rumqttc::v5::mqttbytes::v5::UnsubAck { pkid: id, reasons, properties: None };
+    feed(&mut s, now, &[Packet::UnsubAck(unsuback)]);
+    assert!(events(&mut s).contains(&Event::Unsubscribed { pkid: id }));
+}
+
+#[test]
 fn keep_alive_pings_when_idle_and_a_missing_pingresp_closes_the_connection() {
     let (mut s, now) = up(None);
     let ping_at = s.poll_timeout().expect("the keep alive is armed");
@@ -415,6 +442,9 @@ struct Broker {
     ack_lost: HashSet<Bytes>,
     /// Payloads the broker forgot with the session.
     forgotten: HashSet<Bytes>,
+    /// The reply the session sends to each of the broker's publishes it
+    /// answers: it must arrive before that publish's acknowledgement.
+    reply_for: HashMap<Bytes, Bytes>,
     pending: Vec<Packet>,
 }
 
@@ -464,6 +494,12 @@ impl Broker {
         };
         if front != pkid || front_qos != qos {
             return Err(format!("acknowledged {pkid} before {front}"));
+        }
+        let payload = &self.out[&order].2;
+        if let Some(reply) = self.reply_for.get(payload)
+            && !self.received.contains(reply)
+        {
+            return Err(format!("{payload:?} acknowledged before its reply"));
         }
         self.out.remove(&order);
         Ok(())
@@ -655,8 +691,22 @@ impl World {
             }
             Op::AppTakes(n) => {
                 if !self.held.is_empty() {
-                    let (arrival, _) = self.held.remove(n % self.held.len());
-                    self.session.acknowledge(arrival);
+                    let (arrival, payload) = self.held.remove(n % self.held.len());
+                    if n % 2 == 0 {
+                        self.session.acknowledge(arrival);
+                    } else {
+                        // Answered: the reply goes ahead of the acknowledgement.
+                        let reply = format!("reply {} to {}", self.next, String::from_utf8_lossy(&payload));
+                        let reply = Bytes::from(reply);
+                        self.next += 1;
+                        let pkid = self
+                            .session
+                            .publish(Publish::new("r", QoS::AtLeastOnce, reply.clone(), None))
+                            .unwrap();
+                        self.pkid_payload.insert(pkid, reply.clone());
+                        self.broker.reply_for.insert(payload, reply);
+                        self.session.acknowledge_after(arrival, Some(pkid));
+                    }
                 }
             }
             Op::Deliver => {
