@@ -12,7 +12,7 @@ mod load;
 mod report;
 
 pub use cascade::{CascadeReport, read_split, run_cascade};
-pub use echo::run_echo;
+pub use echo::{EchoClient, run_echo};
 pub use load::run;
 pub use report::Report;
 

@@ -47,6 +47,11 @@ pub struct BenchArgs {
     /// Run an echo responder on the request topic and measure the broker floor.
     #[arg(long)]
     echo: bool,
+    /// With --echo: the MQTT client the responder runs on (rumqttc's event
+    /// loop, or the node's own session layer, which writes each wakeup's
+    /// packets at once).
+    #[arg(long, value_enum, default_value = "rumqttc", requires = "echo")]
+    echo_client: edgeinfer::bench::EchoClient,
     /// Make every request's input different (the default request with its
     /// first pixel set to the request number), so each misses the cache.
     #[arg(long, conflicts_with = "input")]
@@ -101,7 +106,7 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
     }
     let payload = payload(&args)?;
     if args.echo {
-        edgeinfer::bench::run_echo(&url, &topic, args.qos == 1).await?;
+        edgeinfer::bench::run_echo(&url, &topic, args.qos == 1, args.echo_client).await?;
     }
     let options = BenchOptions {
         url,

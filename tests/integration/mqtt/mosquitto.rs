@@ -268,25 +268,27 @@ async fn low_load_round_trip_through_mosquitto() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_echo_measures_the_broker_floor_without_a_node() {
     let Some(broker) = Mosquitto::start() else { return };
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
-        .args([
-            "bench",
-            "--echo",
-            "--json",
-            "--duration",
-            "1",
-            "--warmup",
-            "0.2",
-            "--url",
-            &broker.url(),
-            "--node",
-            "nobody",
-        ])
-        .env_remove("EDGEINFER_CONFIG")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(report["requests"].as_u64().unwrap() > 100, "{report}");
-    assert_eq!(report["errors"], 0);
+    // On rumqttc's event loop and on the node's own session layer (issue 36).
+    for client in ["rumqttc", "session"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+            .args([
+                "bench",
+                "--echo",
+                "--echo-client",
+                client,
+                "--json",
+                "--duration",
+                "1",
+                "--warmup",
+                "0.2",
+            ])
+            .args(["--url", &broker.url(), "--node", &format!("nobody-{client}")])
+            .env_remove("EDGEINFER_CONFIG")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{client}: {}", String::from_utf8_lossy(&out.stderr));
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(report["requests"].as_u64().unwrap() > 100, "{client}: {report}");
+        assert_eq!(report["errors"], 0, "{client}");
+    }
 }
