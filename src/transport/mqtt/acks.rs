@@ -9,12 +9,16 @@
 //! `session_present = false`) the packet ids of the old one mean nothing, so
 //! none of its acknowledgements is sent into the new one.
 
+use super::session::Arrival;
 use rumqttc::v5::mqttbytes::v5::Publish;
 use std::collections::{HashMap, VecDeque};
 use tokio::sync::mpsc;
 
 /// A request finished: its reply (if it has one), and its place in line.
 pub struct Finished {
+    /// Its place in the session layer's line (`session::Session`), for a
+    /// connection on it; `None` for one on rumqttc or a QoS 0 request.
+    pub arrival: Option<Arrival>,
     pub seq: u64,
     pub epoch: u64,
     pub pkid: u16,
@@ -28,6 +32,7 @@ pub struct Finished {
 /// A request's place in line; `send` (or dropping it, e.g. when its task
 /// was aborted) reports it finished.
 pub struct AckSlot {
+    arrival: Option<Arrival>,
     seq: u64,
     epoch: u64,
     pkid: u16,
@@ -35,6 +40,12 @@ pub struct AckSlot {
 }
 
 impl AckSlot {
+    /// The slot of a request on a connection of the session layer: its
+    /// place in line is the session's (`acknowledge_after`).
+    pub fn for_arrival(arrival: Option<Arrival>, tx: mpsc::UnboundedSender<Finished>) -> AckSlot {
+        AckSlot { arrival, seq: 0, epoch: 0, pkid: 0, tx: Some(tx) }
+    }
+
     pub fn send(mut self, reply: Option<super::outbox::Reply>) {
         self.report(reply, None);
     }
@@ -52,7 +63,15 @@ impl AckSlot {
         first: Option<crate::protocol::FirstReplyPending>,
     ) {
         if let Some(tx) = self.tx.take() {
-            let _ = tx.send(Finished { seq: self.seq, epoch: self.epoch, pkid: self.pkid, reply, first });
+            let finished = Finished {
+                arrival: self.arrival,
+                seq: self.seq,
+                epoch: self.epoch,
+                pkid: self.pkid,
+                reply,
+                first,
+            };
+            let _ = tx.send(finished);
         }
     }
 }
@@ -107,7 +126,7 @@ impl Acks {
         self.seen.insert(publish.pkid, Seen::Running);
         let released = self.order.arrived(seq, ack_of(publish));
         debug_assert!(released.is_empty(), "nothing is done before it arrived");
-        AckSlot { seq, epoch: self.epoch, pkid: publish.pkid, tx: Some(self.tx.clone()) }
+        AckSlot { arrival: None, seq, epoch: self.epoch, pkid: publish.pkid, tx: Some(self.tx.clone()) }
     }
 
     /// A redelivered request acknowledged before (the acknowledgement was

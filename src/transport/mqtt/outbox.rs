@@ -222,6 +222,12 @@ impl Outbox {
     }
 }
 
+/// A reply that will never reach the broker (a connection on the session
+/// layer): counted and logged with its request's id.
+pub fn not_delivered(id: &str, why: &str) {
+    refused(Note::Reply { id: id.to_string(), first: None }, "broker", why);
+}
+
 /// A publish that will never reach the broker: counted and logged with what
 /// it was. A follow-up's spool entry is let go (it cannot be delivered).
 fn refused(note: Note, reason: &'static str, why: &str) {

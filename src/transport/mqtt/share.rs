@@ -20,20 +20,20 @@
 //! its next requests to the other members), answers and acknowledges what
 //! it was handed, then disconnects.
 
-use super::acks::{Acks, Finished, Seen};
-use super::options::{OptionsError, client_options};
-use super::outbox::Outbox;
+use super::acks::{AckSlot, Finished};
+use super::options::{BrokerAddress, OptionsError, session_options, tls_for};
+use super::session::{Arrival, Backoff, Driver, Event, Options, Session};
 use super::topics::Topics;
-use super::{Admission, Backoff, Connection, RequestTask};
+use super::{Admission, RequestTask};
 use crate::config::Config;
 use crate::engine::Engine;
 use crate::telemetry::{MQTT_SHARE_CONNECTED, MQTT_SHARE_REQUESTS, ShareGroupStatus};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, SubscribeReasonCode};
-use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use rumqttc::v5::mqttbytes::v5::{Filter, Publish, SubscribeReasonCode};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -67,7 +67,9 @@ impl ShareView {
 const LEAVE_WITHIN: Duration = Duration::from_secs(1);
 
 pub struct ShareLink {
-    options: MqttOptions,
+    options: Options,
+    address: BrokerAddress,
+    tls: Option<Arc<rustls::ClientConfig>>,
     topics: Topics,
     drain_timeout: Duration,
     live: Arc<Live>,
@@ -85,14 +87,19 @@ impl ShareLink {
             mqtt.client_id.clone().unwrap_or_else(|| format!("edgeinfer-{}", config.node.id))
         );
         let in_flight = mqtt.max_in_flight.min(u16::MAX as usize) as u16;
-        let mut options = client_options(mqtt, &client_id, config.limits.max_packet_bytes as u32, in_flight)?;
-        options
-            .set_session_expiry_interval(Some(mqtt.share_session_expiry_s))
-            .set_keep_alive(Duration::from_secs(u64::from(mqtt.share_keep_alive_s.max(5))));
+        let keep_alive = Duration::from_secs(u64::from(mqtt.share_keep_alive_s.max(5)));
+        let options = Options {
+            session_expiry_s: mqtt.share_session_expiry_s,
+            keep_alive,
+            ping_timeout: keep_alive,
+            ..session_options(mqtt, &client_id, config.limits.max_packet_bytes as u32, in_flight)?
+        };
         let live = Arc::new(Live::default());
         let view = ShareView { group: mqtt.share_group.clone(), live: live.clone() };
         Ok(ShareLink {
             options,
+            address: BrokerAddress::parse(&mqtt.url)?,
+            tls: tls_for(mqtt)?,
             topics,
             drain_timeout: Duration::from_secs(config.node.drain_timeout_s),
             live,
@@ -112,80 +119,89 @@ impl ShareLink {
 
     /// Serves the share group until `stop`, then leaves it and drains.
     pub async fn run(self, engine: Arc<Engine>, admission: Admission, stop: impl Future<Output = ()>) {
-        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
+        let session = Session::new(self.options.clone());
+        let (finished_tx, finished) = mpsc::unbounded_channel();
         let mut line = Line {
-            conn: Connection { client, outbox: Outbox::default(), connected: false },
-            acks: Acks::new(),
+            link: Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone()),
+            replies: HashMap::new(),
+            max_reply: Arc::new(AtomicUsize::new(usize::MAX)),
+            finished_tx,
+            finished,
             tasks: JoinSet::new(),
             engine,
             admission,
+            connected: false,
         };
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        let mut session = "new";
         tokio::pin!(stop);
         loop {
-            line.conn.flush();
+            if !line.link.is_open() {
+                let connecting = tokio::select! {
+                    _ = &mut stop => break,
+                    connected = line.link.connect() => connected,
+                };
+                if let Err(e) = connecting {
+                    metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
+                    tracing::debug!("share group connection: {e}");
+                    tokio::select! {
+                        _ = &mut stop => break,
+                        _ = tokio::time::sleep(backoff.next_wait()) => continue,
+                    }
+                }
+            }
             let event = tokio::select! {
                 _ = &mut stop => break,
                 Some(_) = line.tasks.join_next(), if !line.tasks.is_empty() => continue,
-                Some(done) = line.acks.1.recv() => {
-                    line.conn.finished(&mut line.acks.0, done);
+                Some(done) = line.finished.recv() => {
+                    line.finished(done);
                     continue;
                 }
-                event = eventloop.poll() => event,
+                event = line.link.next() => event,
             };
             match event {
-                Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                Event::Connected { session_present } => {
                     backoff.reset();
-                    line.conn.connected = true;
-                    let max_packet = ack.properties.as_ref().and_then(|p| p.max_packet_size);
-                    line.conn.outbox.set_max_packet(max_packet);
-                    session = if ack.session_present { "resumed" } else { "new" };
-                    if !ack.session_present {
-                        line.acks.0.new_session();
-                        line.conn.outbox.session_lost();
-                    }
+                    line.connected(session_present);
                     // Also on a resumed session: the session a stopping node
                     // left has no subscription, and subscribing again to a
                     // filter it holds changes nothing.
-                    let filter = self.topics.shared_requests();
-                    if let Err(e) = line.conn.client.try_subscribe(filter, QoS::AtLeastOnce) {
-                        tracing::error!("share group: subscribing: {e}");
-                    }
+                    let filter = Filter::new(self.topics.shared_requests(), QoS::AtLeastOnce);
+                    line.link.session().subscribe(vec![filter]);
                 }
-                Ok(Event::Incoming(Packet::SubAck(ack))) => {
-                    if ack.return_codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
+                Event::Subscribed { codes, .. } => {
+                    if codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
                         tracing::error!(
-                            "share group: the broker refused {}: {:?}; not ready",
-                            self.topics.shared_requests(),
-                            ack.return_codes
+                            "share group: the broker refused {}: {codes:?}; not ready",
+                            self.topics.shared_requests()
                         );
                     } else {
                         tracing::info!(
-                            "share group {} joined (session {session}): serving {}",
+                            "share group {} joined: serving {}",
                             self.view.group,
                             self.topics.shared_requests()
                         );
                         self.set_joined(true);
                     }
                 }
-                Ok(Event::Incoming(Packet::Publish(publish))) => line.take(publish, &self.topics, &self.live),
-                Ok(event) => line.conn.outbox.track(&event),
-                Err(e) => {
-                    if line.conn.connected {
+                Event::Publish { arrival, publish } => line.take(arrival, *publish, &self.topics, &self.live),
+                Event::Closed(why) => {
+                    if std::mem::replace(&mut line.connected, false) {
                         tracing::warn!(
-                            "share group connection: {e}; the broker keeps this node's share for it up to \
+                            "share group connection: {why}; the broker keeps this node's share for it up to \
                              mqtt.share_session_expiry_s, then hands it to the other members"
                         );
                     }
-                    line.conn.connected = false;
                     self.set_joined(false);
                     metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    tokio::time::sleep(backoff.next_wait()).await;
+                    tokio::select! {
+                        _ = &mut stop => break,
+                        _ = tokio::time::sleep(backoff.next_wait()) => {}
+                    }
                 }
+                other => line.settled(other),
             }
         }
-        self.leave(&mut line, &mut eventloop).await;
+        self.leave(&mut line).await;
     }
 
     fn set_joined(&self, joined: bool) {
@@ -200,17 +216,10 @@ impl ShareLink {
     /// `node.drain_timeout_s`, and disconnects. Requests it could not
     /// finish stay unacknowledged in this connection's session, which the
     /// broker keeps `mqtt.share_session_expiry_s`.
-    async fn leave(&self, line: &mut Line, eventloop: &mut EventLoop) {
+    async fn leave(&self, line: &mut Line) {
         let filter = self.topics.shared_requests();
-        let mut left = false;
-        if line.conn.connected {
-            if let Err(e) = line.conn.client.try_unsubscribe(filter.clone()) {
-                tracing::error!("share group: unsubscribing: {e}");
-            }
-        } else {
-            // Not connected: the session's subscription goes with the session.
-            left = true;
-        }
+        // Not connected: the session's subscription goes with the session.
+        let mut left = line.link.session().unsubscribe(vec![filter.clone()]).is_none();
         let running = line.tasks.len();
         let now = tokio::time::Instant::now();
         // Leaving is tried even with no time to drain: without it the
@@ -218,8 +227,8 @@ impl ShareLink {
         let (drain_by, leave_by) = (now + self.drain_timeout, now + LEAVE_WITHIN);
         let mut after_leaving = 0usize;
         loop {
-            while let Ok(done) = line.acks.1.try_recv() {
-                line.conn.finished(&mut line.acks.0, done);
+            while let Ok(done) = line.finished.try_recv() {
+                line.finished(done);
             }
             let now = tokio::time::Instant::now();
             if !left && now >= leave_by {
@@ -230,7 +239,8 @@ impl ShareLink {
                     self.view.group
                 );
             }
-            let drained = (line.tasks.is_empty() && line.conn.outbox.is_idle()) || now >= drain_by;
+            let idle = line.tasks.is_empty() && line.link.session().unconfirmed() == 0;
+            let drained = idle || now >= drain_by;
             if drained && left {
                 break;
             }
@@ -239,12 +249,21 @@ impl ShareLink {
                 (false, true) => drain_by,
                 (false, false) => drain_by.min(leave_by),
             };
-            line.conn.flush();
+            if !line.link.is_open() {
+                let reconnecting = tokio::select! {
+                    connected = line.link.connect() => connected,
+                    _ = tokio::time::sleep_until(deadline) => continue,
+                };
+                if reconnecting.is_err() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            }
             tokio::select! {
                 _ = line.tasks.join_next(), if !line.tasks.is_empty() => {}
-                Some(done) = line.acks.1.recv() => line.conn.finished(&mut line.acks.0, done),
-                event = eventloop.poll() => match event {
-                    Ok(Event::Incoming(Packet::UnsubAck(_))) if !left => {
+                Some(done) = line.finished.recv() => line.finished(done),
+                event = line.link.next() => match event {
+                    Event::Unsubscribed { .. } if !left => {
                         left = true;
                         self.set_joined(false);
                         tracing::info!(
@@ -255,29 +274,23 @@ impl ShareLink {
                         );
                     }
                     // Handed to this node: answered, even after it left.
-                    Ok(Event::Incoming(Packet::Publish(publish))) => {
+                    Event::Publish { arrival, publish } => {
                         after_leaving += usize::from(left);
-                        line.take(publish, &self.topics, &self.live);
+                        line.take(arrival, *publish, &self.topics, &self.live);
                     }
                     // Back while draining: a resumed session still holds
                     // the subscription (also when the node was away at the
                     // stop), a new one has none.
-                    Ok(Event::Incoming(Packet::ConnAck(ack))) => {
-                        line.conn.connected = true;
-                        if !ack.session_present {
-                            line.acks.0.new_session();
-                            line.conn.outbox.session_lost();
-                            left = true;
-                        } else {
-                            left = false;
-                            let _ = line.conn.client.try_unsubscribe(filter.clone());
-                        }
+                    Event::Connected { session_present } => {
+                        line.connected(session_present);
+                        left = !session_present
+                            || line.link.session().unsubscribe(vec![filter.clone()]).is_none();
                     }
-                    Ok(event) => line.conn.outbox.track(&event),
-                    Err(_) => {
-                        line.conn.connected = false;
+                    Event::Closed(_) => {
+                        line.connected = false;
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
+                    other => line.settled(other),
                 },
                 _ = tokio::time::sleep_until(deadline) => {}
             }
@@ -290,49 +303,91 @@ impl ShareLink {
              leaving; {unfinished} unfinished, left with the broker",
             running - unfinished.min(running)
         );
-        if line.conn.connected {
-            super::disconnect(&line.conn.client, eventloop).await;
+        if line.link.is_open() {
+            line.link.disconnect().await;
         }
     }
 }
 
-/// The share loop's side of the request path: its connection, its
-/// acknowledgements in arrival order, and the requests running.
+/// The share loop's side of the request path: its connection, the
+/// replies out on it, and the requests running.
 struct Line {
-    conn: Connection,
-    acks: (Acks, mpsc::UnboundedReceiver<Finished>),
+    link: Driver,
+    /// The request id of each reply the broker has not confirmed, for the log.
+    replies: HashMap<u16, String>,
+    /// The broker's Maximum Packet Size, for the request tasks' replies.
+    max_reply: Arc<AtomicUsize>,
+    finished_tx: mpsc::UnboundedSender<Finished>,
+    finished: mpsc::UnboundedReceiver<Finished>,
     tasks: JoinSet<()>,
     engine: Arc<Engine>,
     admission: Admission,
+    connected: bool,
 }
 
 impl Line {
-    /// A request from the group: run it, unless it is a redelivery of one
-    /// this session already runs or answered.
-    fn take(&mut self, publish: Publish, topics: &Topics, live: &Live) {
-        match self.acks.0.redelivered(&publish) {
-            // Acknowledged, but rumqttc dropped the acknowledgement at a
-            // reconnect: again, without running it twice.
-            Some(Seen::Acked) if !self.conn.outbox.acks(publish.pkid) => {
-                self.acks.0.again(&publish).into_iter().for_each(|p| self.conn.outbox.ack(p))
-            }
-            Some(_) => {}
-            None => {
-                live.requests.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!(MQTT_SHARE_REQUESTS).increment(1);
-                let admitted = self.admission.admit(publish.payload.len());
-                let slot = self.acks.0.arrived(&publish);
-                let task = RequestTask {
-                    engine: self.engine.clone(),
-                    topics: topics.clone(),
-                    max_reply: self.conn.outbox.max_packet(),
-                };
-                self.tasks.spawn(async move {
-                    let refusal = admitted.as_ref().err().cloned();
-                    task.handle(publish, refusal, slot).await;
-                    drop(admitted);
-                });
+    /// A request from the group: run it. The session hands over each
+    /// request once: a re-send of one it holds or took is not a new one.
+    fn take(&mut self, arrival: Option<Arrival>, publish: Publish, topics: &Topics, live: &Live) {
+        live.requests.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(MQTT_SHARE_REQUESTS).increment(1);
+        let admitted = self.admission.admit(publish.payload.len());
+        let slot = AckSlot::for_arrival(arrival, self.finished_tx.clone());
+        let task = RequestTask {
+            engine: self.engine.clone(),
+            topics: topics.clone(),
+            max_reply: self.max_reply.clone(),
+        };
+        self.tasks.spawn(async move {
+            let refusal = admitted.as_ref().err().cloned();
+            task.handle(publish, refusal, slot).await;
+            drop(admitted);
+        });
+    }
+
+    /// A request finished: its reply goes out, then (once the reply is
+    /// written) its acknowledgement, in arrival order.
+    fn finished(&mut self, done: Finished) {
+        let session = self.link.session();
+        let mut reply_pkid = None;
+        if let Some(reply) = done.reply {
+            match session.publish(reply.publish) {
+                Ok(pkid) => {
+                    self.replies.insert(pkid, reply.id);
+                    reply_pkid = Some(pkid);
+                }
+                Err(e) => super::outbox::not_delivered(&reply.id, &e.to_string()),
             }
         }
+        // Handed to the session: a follow-up may follow it now.
+        drop(done.first);
+        if let Some(arrival) = done.arrival {
+            session.acknowledge_after(arrival, reply_pkid);
+        }
+    }
+
+    /// The broker confirmed or refused a reply.
+    fn settled(&mut self, event: Event) {
+        match event {
+            Event::Delivered { pkid } => {
+                self.replies.remove(&pkid);
+            }
+            Event::Refused { pkid, reason } => {
+                if let Some(id) = self.replies.remove(&pkid) {
+                    super::outbox::not_delivered(
+                        &id,
+                        &format!("the broker refused it (reason {reason:#04x})"),
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The broker's limits, as this connection's CONNACK gave them.
+    fn connected(&mut self, _session_present: bool) {
+        self.connected = true;
+        let max = self.link.session().peer_max_packet().map_or(usize::MAX, |m| m as usize);
+        self.max_reply.store(max, Ordering::Relaxed);
     }
 }

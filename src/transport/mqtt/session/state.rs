@@ -176,6 +176,11 @@ impl Session {
         }
     }
 
+    /// The broker's Maximum Packet Size, once its CONNACK said one.
+    pub fn peer_max_packet(&self) -> Option<u32> {
+        self.peer_max_packet
+    }
+
     /// How long a CONNACK may take; the driver bounds its connect by it too.
     pub fn connect_timeout(&self) -> Duration {
         self.options.connect_timeout
