@@ -74,8 +74,8 @@ fn topic_and_reply(topic: &str, reply: Option<&str>) {
 /// The MQTT session (issue 36) fed broker bytes in chunks of any size,
 /// interleaved with what the node does (publish, take a request, lose the
 /// connection, let time pass): it never panics, what it writes decodes,
-/// its read buffer stays within one packet, and it never holds more
-/// broker publishes than its Receive Maximum.
+/// its read buffer stays within one packet, and what it holds of the
+/// broker's publishes stays within the broker's packet ids.
 pub fn mqtt_session(data: &[u8]) {
     use crate::transport::mqtt::session::{Event, Options, Session};
     use rumqttc::v5::mqttbytes::QoS;
@@ -134,7 +134,7 @@ pub fn mqtt_session(data: &[u8]) {
             Packet::read(&mut out, None).expect("what the session writes decodes");
         }
         assert!(session.buffered() <= MAX_PACKET as usize + 5 + 43, "{} bytes buffered", session.buffered());
-        assert!(session.incoming_in_flight() <= RECEIVE_MAXIMUM.into(), "over our Receive Maximum");
+        assert!(session.incoming_in_flight() <= 3 * usize::from(u16::MAX), "more held than there are ids");
     }
 }
 

@@ -1,5 +1,6 @@
 //! The MQTT 5 request/response adapter. One task owns the connection (the
-//! rumqttc event loop) and everything published on it (the outbox); each
+//! session layer of our own, `session/`) and everything published on it
+//! (the outbox); each
 //! request runs in its own task and hands its reply back to that loop, which
 //! sends the reply and then the request's acknowledgement, so a node that
 //! dies mid-request leaves the request with the broker for redelivery.
@@ -28,13 +29,11 @@ use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, first_reply};
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
-use acks::{AckSlot, Acks, Finished, Seen};
+use acks::{AckSlot, Finished};
 use outbox::{Note, Outbox, Reply};
-use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{LastWill, Packet, Publish, PublishProperties, SubscribeReasonCode};
-use rumqttc::v5::{AsyncClient, Event, EventLoop};
-use session::Backoff;
+use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
+use session::{Backoff, Driver, Event, Session};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -49,7 +48,9 @@ pub struct MqttService {
     /// `limits.max_bytes_in_flight`: the payload bytes requests may hold.
     max_bytes_in_flight: usize,
     stats_interval: Option<Duration>,
-    options: rumqttc::v5::MqttOptions,
+    options: session::Options,
+    address: BrokerAddress,
+    tls: Option<Arc<rustls::ClientConfig>>,
     /// True while connected with our subscriptions in place; the HTTP
     /// readiness check holds the receiving end.
     ready_tx: watch::Sender<bool>,
@@ -83,14 +84,12 @@ impl MqttService {
         // reaches the node and gets `too_large`.
         let max_packet = config.limits.max_packet_bytes as u32;
         let in_flight = mqtt.max_in_flight.min(u16::MAX as usize) as u16;
-        let mut options = client_options(mqtt, &client_id, max_packet, in_flight)?;
-        options.set_last_will(LastWill::new(
-            topics.status(),
-            status.with_state(State::Offline),
-            QoS::AtLeastOnce,
-            true,
-            None,
-        ));
+        let will =
+            LastWill::new(topics.status(), status.with_state(State::Offline), QoS::AtLeastOnce, true, None);
+        let options = session::Options {
+            will: Some(will),
+            ..session_options(mqtt, &client_id, max_packet, in_flight)?
+        };
         let (ready_tx, ready_rx) = watch::channel(false);
         let share = share::ShareLink::new(config, topics.clone())?;
         Ok((
@@ -103,6 +102,8 @@ impl MqttService {
                 stats_interval: (config.telemetry.stats_interval_s > 0)
                     .then(|| Duration::from_secs(config.telemetry.stats_interval_s)),
                 options,
+                address: BrokerAddress::parse(&mqtt.url)?,
+                tls: tls_for(mqtt)?,
                 ready_tx,
                 drain_timeout: Duration::from_secs(config.node.drain_timeout_s),
                 heartbeat: Heartbeat::default(),
@@ -155,13 +156,14 @@ impl MqttService {
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
         let mut follow_ups = self.follow_ups.take();
         let mut events = self.events.take();
-        let (client, mut eventloop) = AsyncClient::new(self.options.clone(), 256);
-        let mut conn = Connection { client, outbox: Outbox::default(), connected: false };
+        let session = Session::new(self.options.clone());
+        let link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
+        let mut conn = Connection { link, outbox: Outbox::default(), connected: false };
         let admission = Admission {
             requests: Arc::new(Semaphore::new(self.max_in_flight)),
             bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
         };
-        let (mut acks, mut finished) = Acks::new();
+        let (finished_tx, mut finished) = tokio::sync::mpsc::unbounded_channel();
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut awaiting_suback = false;
         // The share group rides a connection of its own (`share.rs`), which
@@ -182,14 +184,27 @@ impl MqttService {
         let outbox_held = metrics::gauge!(crate::telemetry::MQTT_OUTBOX);
         loop {
             self.heartbeat.beat();
-            conn.flush();
-            unacknowledged.set(acks.waiting() as f64);
+            unacknowledged.set(conn.link.session().incoming_in_flight() as f64);
             outbox_held.set(conn.outbox.len() as f64);
+            if !conn.link.is_open() {
+                let connecting = tokio::select! {
+                    _ = &mut shutdown => break,
+                    connected = conn.link.connect() => connected,
+                };
+                if let Err(e) = connecting {
+                    let wait = backoff.next_wait();
+                    self.lost(&mut conn, &e.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(wait) => continue,
+                    }
+                }
+            }
             let event = tokio::select! {
                 _ = &mut shutdown => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
                 Some(done) = finished.recv() => {
-                    conn.finished(&mut acks, done);
+                    conn.finished(done);
                     continue;
                 }
                 // Only while connected: while the broker is away they wait
@@ -198,7 +213,7 @@ impl MqttService {
                     // Its provisional reply was handed on before it came
                     // (`FirstReply`): publish that first.
                     while let Ok(done) = finished.try_recv() {
-                        conn.finished(&mut acks, done);
+                        conn.finished(done);
                     }
                     let props = PublishProperties {
                         correlation_data: follow_up.route.correlation.map(Into::into),
@@ -207,7 +222,7 @@ impl MqttService {
                     };
                     let publish =
                         Publish::new(follow_up.route.topic, QoS::AtLeastOnce, follow_up.payload, Some(props));
-                    conn.outbox.publish(publish, Note::FollowUp(follow_up.delivery));
+                    conn.publish(publish, Note::FollowUp(follow_up.delivery));
                     continue;
                 }
                 // While the broker is away they wait in their channel.
@@ -228,49 +243,40 @@ impl MqttService {
                     self.publish_stats(&mut conn).await;
                     continue;
                 }
-                // Only while connected: winning this select while rumqttc is
-                // connecting would drop its half-made connection, and the
-                // broker would keep a session that never subscribed.
                 changed = share_joined.changed(), if !share_gone && conn.connected => {
                     share_gone = changed.is_err();
                     let joined = !share_gone && *share_joined.borrow();
                     self.update_ready(&mut conn, subscribed, joined, session);
                     continue;
                 }
-                event = eventloop.poll() => event,
+                event = conn.link.next() => event,
             };
             match event {
-                Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                Event::Connected { session_present } => {
                     backoff.reset();
                     conn.connected = true;
-                    let max_packet = ack.properties.as_ref().and_then(|p| p.max_packet_size);
-                    conn.outbox.set_max_packet(max_packet);
-                    if !ack.session_present {
+                    conn.outbox.set_max_packet(conn.link.session().peer_max_packet());
+                    if !session_present {
                         // The broker lost our session: the requests it held
-                        // for us are gone with their packet ids; the replies
-                        // rumqttc had not seen acknowledged go again.
-                        acks.new_session();
-                        conn.outbox.session_lost();
-                        self.subscribe(&conn.client);
+                        // for us are gone with their packet ids (the session
+                        // forgot them); our replies go again as new messages.
+                        self.subscribe(conn.link.session());
                         awaiting_suback = true;
                     } else {
                         // The session resumed with its subscriptions, and
-                        // rumqttc resends the unacknowledged replies itself.
+                        // the session layer resends the unconfirmed replies.
                         // The control topic follows the config in service,
                         // not the one the session was made with.
-                        self.resubscribe_control(&conn.client);
-                        self.leave_share_on_own_session(&conn.client);
-                        self.resubscribe_own_topic(&conn.client);
+                        self.resubscribe_control(conn.link.session());
+                        self.leave_share_on_own_session(conn.link.session());
+                        self.resubscribe_own_topic(conn.link.session());
                         (subscribed, session) = (true, "resumed");
                         self.update_ready(&mut conn, subscribed, *share_joined.borrow(), session);
                     }
                 }
-                Ok(Event::Incoming(Packet::SubAck(ack))) => {
-                    if ack.return_codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
-                        tracing::error!(
-                            "the broker refused a subscription: {:?}; not ready",
-                            ack.return_codes
-                        );
+                Event::Subscribed { codes, .. } => {
+                    if codes.iter().any(|c| !matches!(c, SubscribeReasonCode::Success(_))) {
+                        tracing::error!("the broker refused a subscription: {codes:?}; not ready");
                     } else if std::mem::take(&mut awaiting_suback) {
                         // Ready only now: a request published before the
                         // broker took the subscription would reach no one.
@@ -278,60 +284,51 @@ impl MqttService {
                         self.update_ready(&mut conn, subscribed, *share_joined.borrow(), session);
                     }
                 }
-                Ok(Event::Incoming(Packet::Publish(publish))) => match acks.redelivered(&publish) {
-                    // Acknowledged, but rumqttc dropped the acknowledgement
-                    // at a reconnect: again, without running it twice.
-                    Some(Seen::Acked) if !conn.outbox.acks(publish.pkid) => {
-                        acks.again(&publish).into_iter().for_each(|p| conn.outbox.ack(p))
-                    }
-                    // Running or answered: its acknowledgement is to come.
-                    Some(_) => {}
-                    None if publish.topic == self.topics.control().as_bytes() => {
-                        let slot = acks.arrived(&publish);
-                        // Control off: a subscription left from an earlier
-                        // run may still bring one; it gets nothing.
-                        let Some(auth) = self.control.clone() else {
-                            slot.send(None);
-                            continue;
-                        };
-                        // Bounded like requests; one over the bound is answered `overloaded`.
-                        let admitted = admission.admit(publish.payload.len());
-                        let task = control::ControlTask {
-                            engine: self.engine.clone(),
-                            topics: self.topics.clone(),
-                            auth,
-                        };
-                        tasks.spawn(async move {
-                            slot.send(task.handle(&publish, admitted.is_ok()).await);
-                            drop(admitted);
-                        });
-                    }
-                    None => {
-                        let admitted = admission.admit(publish.payload.len());
-                        let slot = acks.arrived(&publish);
-                        let task = RequestTask {
-                            engine: self.engine.clone(),
-                            topics: self.topics.clone(),
-                            max_reply: conn.outbox.max_packet(),
-                        };
-                        tasks.spawn(async move {
-                            let refusal = admitted.as_ref().err().cloned();
-                            task.handle(publish, refusal, slot).await;
-                            drop(admitted);
-                        });
-                    }
-                },
-                Ok(event) => conn.outbox.track(&event),
-                Err(e) => {
-                    conn.connected = false;
-                    self.ready_tx.send_replace(false);
-                    (awaiting_suback, subscribed) = (false, false);
-                    metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
-                    metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
-                    let wait = backoff.next_wait();
-                    tracing::warn!("MQTT connection: {e}; reconnecting in {} ms", wait.as_millis());
-                    tokio::time::sleep(wait).await;
+                // The session hands each request over once: a re-send of
+                // one it holds or took is not a new one.
+                Event::Publish { arrival, publish } if publish.topic == self.topics.control().as_bytes() => {
+                    let slot = AckSlot::new(arrival, finished_tx.clone());
+                    // Control off: a subscription left from an earlier
+                    // run may still bring one; it gets nothing.
+                    let Some(auth) = self.control.clone() else {
+                        slot.send(None);
+                        continue;
+                    };
+                    // Bounded like requests; one over the bound is answered `overloaded`.
+                    let admitted = admission.admit(publish.payload.len());
+                    let task = control::ControlTask {
+                        engine: self.engine.clone(),
+                        topics: self.topics.clone(),
+                        auth,
+                    };
+                    tasks.spawn(async move {
+                        slot.send(task.handle(&publish, admitted.is_ok()).await);
+                        drop(admitted);
+                    });
                 }
+                Event::Publish { arrival, publish } => {
+                    let admitted = admission.admit(publish.payload.len());
+                    let slot = AckSlot::new(arrival, finished_tx.clone());
+                    let task = RequestTask {
+                        engine: self.engine.clone(),
+                        topics: self.topics.clone(),
+                        max_reply: conn.outbox.max_packet(),
+                    };
+                    tasks.spawn(async move {
+                        let refusal = admitted.as_ref().err().cloned();
+                        task.handle(*publish, refusal, slot).await;
+                        drop(admitted);
+                    });
+                }
+                Event::Closed(why) => {
+                    let wait = backoff.next_wait();
+                    self.lost(&mut conn, &why.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+                other => conn.outbox.settled(&other),
             }
         }
         // The share group is left first (its loop unsubscribes at once) and
@@ -342,26 +339,38 @@ impl MqttService {
                 tracing::error!("the share group's loop ended: {e}");
             }
         };
-        tokio::join!(
-            self.drain(&mut conn, &mut eventloop, &mut tasks, &mut acks, &mut finished),
-            share_drained
-        );
+        tokio::join!(self.drain(&mut conn, &mut tasks, &mut finished), share_drained);
         let offline = self.status_now().snapshot(State::Offline, self.engine.live());
-        let _ = conn.client.try_publish(self.topics.status(), QoS::AtLeastOnce, true, offline);
-        disconnect(&conn.client, &mut eventloop).await;
+        let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, offline, None);
+        publish.retain = true;
+        conn.publish(publish, Note::Status);
+        // Its last words, and a clean DISCONNECT (no will over them), in 2 s at most.
+        if conn.link.is_open() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.link.flush()).await;
+            conn.link.disconnect().await;
+        }
     }
 
-    /// Finishes the requests in flight while the event loop keeps carrying
-    /// their replies, and waits for the broker to acknowledge what the
-    /// outbox holds; requests arriving meanwhile are left unacknowledged.
-    /// Follow-ups not acknowledged by then stay in the spool for the next
+    /// The connection is gone (or never came): not ready, and why; the
+    /// next try in `wait`.
+    fn lost(&self, conn: &mut Connection, why: &str, wait: Duration, pending: (&mut bool, &mut bool)) {
+        conn.connected = false;
+        self.ready_tx.send_replace(false);
+        (*pending.0, *pending.1) = (false, false);
+        metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
+        metrics::counter!(crate::telemetry::MQTT_RECONNECTS).increment(1);
+        tracing::warn!("MQTT connection: {why}; reconnecting in {} ms", wait.as_millis());
+    }
+
+    /// Finishes the requests in flight while the connection keeps carrying
+    /// their replies, and waits for the broker to confirm what the outbox
+    /// holds; requests arriving meanwhile are left unacknowledged.
+    /// Follow-ups not confirmed by then stay in the spool for the next
     /// start.
     async fn drain(
         &self,
         conn: &mut Connection,
-        eventloop: &mut EventLoop,
         tasks: &mut tokio::task::JoinSet<()>,
-        acks: &mut Acks,
         finished: &mut tokio::sync::mpsc::UnboundedReceiver<Finished>,
     ) {
         self.ready_tx.send_replace(false);
@@ -373,23 +382,33 @@ impl MqttService {
             // A task sends its reply before it ends: take what is there
             // before deciding nothing is left.
             while let Ok(done) = finished.try_recv() {
-                conn.finished(acks, done);
+                conn.finished(done);
             }
-            if tasks.is_empty() && conn.outbox.is_idle() {
+            if tasks.is_empty() && conn.outbox.len() == 0 {
                 break;
             }
-            conn.flush();
+            if !conn.link.is_open() {
+                let reconnecting = tokio::select! {
+                    connected = conn.link.connect() => connected,
+                    _ = tokio::time::sleep_until(deadline) => break,
+                };
+                if reconnecting.is_err() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            }
             tokio::select! {
                 _ = tasks.join_next(), if !tasks.is_empty() => {}
-                Some(done) = finished.recv() => conn.finished(acks, done),
-                event = eventloop.poll() => match event {
-                    Ok(Event::Incoming(Packet::Publish(_))) => held_back += 1,
-                    Ok(Event::Incoming(Packet::ConnAck(_))) => conn.connected = true,
-                    Ok(event) => conn.outbox.track(&event),
-                    Err(_) => {
+                Some(done) = finished.recv() => conn.finished(done),
+                event = conn.link.next() => match event {
+                    // Left with the broker: never acknowledged.
+                    Event::Publish { .. } => held_back += 1,
+                    Event::Connected { .. } => conn.connected = true,
+                    Event::Closed(_) => {
                         conn.connected = false;
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
+                    other => conn.outbox.settled(&other),
                 },
                 _ = tokio::time::sleep_until(deadline) => break,
             }
@@ -409,7 +428,7 @@ impl MqttService {
         event["node"] = self.status.node.clone().into();
         let payload = event.to_string();
         let publish = Publish::new(self.topics.events(), QoS::AtLeastOnce, payload, None);
-        conn.outbox.publish(publish, Note::Event);
+        conn.publish(publish, Note::Event);
     }
 
     /// The retained status, through the outbox.
@@ -417,7 +436,7 @@ impl MqttService {
         let status = self.status_now().snapshot(state, self.engine.live());
         let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, status, None);
         publish.retain = true;
-        conn.outbox.publish(publish, Note::Status);
+        conn.publish(publish, Note::Status);
     }
 
     /// The status with the share group's connection as it is now.
@@ -435,8 +454,9 @@ impl MqttService {
             "models": self.engine.take_stats(interval).await,
         });
         if conn.connected {
-            // QoS 0, so not tracked: it goes straight to the client.
-            let _ = conn.client.try_publish(self.topics.stats(), QoS::AtMostOnce, false, stats.to_string());
+            // QoS 0: on this connection or not at all.
+            let stats = Publish::new(self.topics.stats(), QoS::AtMostOnce, stats.to_string(), None);
+            let _ = conn.link.session().publish(stats);
         }
         if *self.ready_tx.borrow() {
             self.publish_status(conn, State::Online);
@@ -446,47 +466,36 @@ impl MqttService {
     /// Every filter in one SUBSCRIBE, so one SUBACK confirms them; the
     /// control topic only with `control.enabled`. The share group is not
     /// among them: it rides its own connection (`share.rs`).
-    fn subscribe(&self, client: &AsyncClient) {
+    fn subscribe(&self, session: &mut Session) {
         let mut topics = vec![self.topics.node_requests()];
         if self.control.is_some() {
             topics.push(self.topics.control());
         }
-        let filters =
-            topics.into_iter().map(|f| rumqttc::v5::mqttbytes::v5::Filter::new(f, QoS::AtLeastOnce));
-        if let Err(e) = client.try_subscribe_many(filters) {
-            tracing::error!("subscribing to the request topics: {e}");
-        }
+        session.subscribe(topics.into_iter().map(|f| Filter::new(f, QoS::AtLeastOnce)).collect());
     }
 
     /// On a resumed session: the control topic subscribed exactly when
     /// `control.enabled` (a restart may have turned it on or off).
-    fn resubscribe_control(&self, client: &AsyncClient) {
+    fn resubscribe_control(&self, session: &mut Session) {
         let topic = self.topics.control();
-        let done = match self.control {
-            Some(_) => client.try_subscribe(topic, QoS::AtLeastOnce),
-            None => client.try_unsubscribe(topic),
+        match self.control {
+            Some(_) => session.subscribe(vec![Filter::new(topic, QoS::AtLeastOnce)]),
+            None => session.unsubscribe(vec![topic]),
         };
-        if let Err(e) = done {
-            tracing::error!("the control topic's subscription: {e}");
-        }
     }
 
     /// On a resumed session too: a session whose first connection broke
     /// before its SUBSCRIBE resumes without the subscription. Subscribing
     /// again replaces it and loses nothing queued [MQTT-3.8.4-3].
-    fn resubscribe_own_topic(&self, client: &AsyncClient) {
-        if let Err(e) = client.try_subscribe(self.topics.node_requests(), QoS::AtLeastOnce) {
-            tracing::error!("subscribing to the node's own requests: {e}");
-        }
+    fn resubscribe_own_topic(&self, session: &mut Session) {
+        session.subscribe(vec![Filter::new(self.topics.node_requests(), QoS::AtLeastOnce)]);
     }
 
     /// A session resumed from before issue 42 may still hold the share
     /// group, which would keep a dead node's place in it for
     /// `mqtt.session_expiry_s`: dropped (a no-op once it is gone).
-    fn leave_share_on_own_session(&self, client: &AsyncClient) {
-        if let Err(e) = client.try_unsubscribe(self.topics.shared_requests()) {
-            tracing::error!("dropping the share group from the node's own session: {e}");
-        }
+    fn leave_share_on_own_session(&self, session: &mut Session) {
+        session.unsubscribe(vec![self.topics.shared_requests()]);
     }
 
     /// Ready while this connection's subscriptions and the share group's
@@ -521,30 +530,27 @@ impl MqttService {
     }
 }
 
-/// The connection as the loop holds it: the client, what waits to go out
-/// on it, and whether rumqttc may be handed anything now.
+/// The connection as the loop holds it: the session on its socket, the
+/// notes of what it published, and whether it is connected.
 struct Connection {
-    client: AsyncClient,
+    link: Driver,
     outbox: Outbox,
     connected: bool,
 }
 
 impl Connection {
-    fn flush(&mut self) {
-        if self.connected {
-            self.outbox.flush(&self.client);
-        }
+    fn publish(&mut self, publish: Publish, note: Note) {
+        self.outbox.publish(self.link.session(), publish, note);
     }
 
-    /// A request finished: its reply goes out, then the acknowledgements
-    /// that releases, in arrival order.
-    fn finished(&mut self, acks: &mut Acks, done: Finished) {
-        let released = acks.finished(&done);
-        if let Some(Reply { publish, id }) = done.reply {
-            self.outbox.publish(publish, Note::Reply { id, first: done.first });
-        }
-        for request in released {
-            self.outbox.ack(request);
+    /// A request finished: its reply goes out, then (once the reply is
+    /// written) its acknowledgement, in arrival order.
+    fn finished(&mut self, done: Finished) {
+        let reply = done.reply.and_then(|Reply { publish, id }| {
+            self.outbox.publish(self.link.session(), publish, Note::Reply { id, first: done.first })
+        });
+        if let Some(arrival) = done.arrival {
+            self.link.session().acknowledge_after(arrival, reply);
         }
     }
 }
@@ -555,21 +561,6 @@ async fn next_event(rx: &mut Option<tokio::sync::mpsc::Receiver<Decision>>) -> O
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
     }
-}
-
-/// Sends DISCONNECT and turns the event loop until it has left (with what
-/// was queued before it), for at most 2 s: every connection's last words.
-async fn disconnect(client: &AsyncClient, eventloop: &mut EventLoop) {
-    let _ = client.try_disconnect();
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
-                _ => {}
-            }
-        }
-    })
-    .await;
 }
 
 /// The next follow-up, or never when there is no spool.

@@ -332,7 +332,7 @@ impl Line {
         live.requests.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(MQTT_SHARE_REQUESTS).increment(1);
         let admitted = self.admission.admit(publish.payload.len());
-        let slot = AckSlot::for_arrival(arrival, self.finished_tx.clone());
+        let slot = AckSlot::new(arrival, self.finished_tx.clone());
         let task = RequestTask {
             engine: self.engine.clone(),
             topics: topics.clone(),

@@ -163,6 +163,24 @@ impl Driver {
         }
     }
 
+    /// Writes everything the session has ready, reading nothing (a node's
+    /// last words before it disconnects).
+    pub async fn flush(&mut self) {
+        loop {
+            if self.write_buf.is_empty() {
+                self.session.poll_transmit(&mut self.write_buf);
+            }
+            let Some(write) = self.write.as_mut().filter(|_| !self.write_buf.is_empty()) else { return };
+            match write.write_buf(&mut self.write_buf).await {
+                Ok(0) | Err(_) => return self.close(),
+                Ok(n) => {
+                    self.writes += 1;
+                    self.session.wrote(Instant::now(), n);
+                }
+            }
+        }
+    }
+
     /// Leaves the broker cleanly (DISCONNECT, so no will is published)
     /// and closes the connection.
     pub async fn disconnect(&mut self) {

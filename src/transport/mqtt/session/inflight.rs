@@ -170,8 +170,6 @@ pub enum Incoming {
     /// A re-send of one the application holds or took: its
     /// acknowledgement comes in its turn.
     Again,
-    /// New, and beyond our Receive Maximum: not taken.
-    OverLimit,
 }
 
 impl IncomingTable {
@@ -181,7 +179,12 @@ impl IncomingTable {
         self.held.len() + self.awaiting_release.len() + self.owed_puback.len()
     }
 
-    pub fn arrive(&mut self, pkid: u16, qos: QoS, limit: usize) -> Incoming {
+    /// A publish of the broker's: new, or a re-send of one we have. Past
+    /// our Receive Maximum it is taken all the same: mosquitto 2.0 does not
+    /// keep to it, and refusing it (DISCONNECT 0x93, as MQTT 5 would have
+    /// it) only loops; the node's admission answers what it cannot take
+    /// `overloaded`, and the broker's packet ids bound the table.
+    pub fn arrive(&mut self, pkid: u16, qos: QoS) -> Incoming {
         if self.holding.contains(&pkid) {
             // Sent again on resuming, in the broker's order, which is the
             // order it wants the acknowledgements in (one whose first
@@ -201,9 +204,6 @@ impl IncomingTable {
             QoS::ExactlyOnce => self.awaiting_release.remove(&pkid),
             _ => self.owed_puback.remove(&pkid),
         };
-        if !taken && self.in_flight() >= limit {
-            return Incoming::OverLimit;
-        }
         let arrival = Arrival(self.next_arrival);
         self.next_arrival += 1;
         self.holding.insert(pkid);

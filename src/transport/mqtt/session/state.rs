@@ -332,12 +332,10 @@ impl Session {
         if publish.qos == QoS::AtMostOnce {
             return self.events.push_back(Event::Publish { arrival: None, publish: Box::new(publish) });
         }
-        match self.incoming.arrive(publish.pkid, publish.qos, self.receive_room()) {
+        match self.incoming.arrive(publish.pkid, publish.qos) {
             Incoming::New(arrival) => {
                 self.events.push_back(Event::Publish { arrival: Some(arrival), publish: Box::new(publish) })
             }
-            Incoming::OverLimit => self
-                .protocol_error(DisconnectReasonCode::ReceiveMaximumExceeded, "more publishes than we allow"),
             Incoming::Again => {
                 self.release_acks();
             }
@@ -547,12 +545,6 @@ impl Session {
         if bytes > 0 && self.link == Link::Up {
             self.arm_ping(now);
         }
-    }
-
-    /// What of our Receive Maximum the table may fill: the rest is taken
-    /// by publishes whose acknowledgement is not yet written.
-    fn receive_room(&self) -> usize {
-        usize::from(self.options.receive_maximum).saturating_sub(self.unwritten_acks)
     }
 
     fn queue_ack(&mut self, packet: Packet) {

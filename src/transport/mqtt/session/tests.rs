@@ -307,15 +307,14 @@ fn what_the_broker_gets_wrong_is_answered_with_a_disconnect_naming_it() {
         let out = goodbye(&mut s);
         assert!(matches!(&out[..], [Packet::Disconnect(d)] if d.reason_code == reason), "{out:?}");
     }
-    // More in flight than our Receive Maximum (8).
+    // More in flight than our Receive Maximum (8): mosquitto 2.0 sends
+    // them; taken (the node answers what it cannot run `overloaded`).
     let (mut s, now) = up(None);
     let nine: Vec<Packet> = (1..=9).map(|i| broker_publish(i, QoS::AtLeastOnce, "x")).collect();
     feed(&mut s, now, &nine);
-    assert!(events(&mut s).contains(&Event::Closed(Closed::Protocol(
-        DisconnectReasonCode::ReceiveMaximumExceeded,
-        "more publishes than we allow"
-    ))));
-    assert_eq!(s.incoming_in_flight(), 8, "the one over the limit is not held");
+    assert_eq!(events(&mut s).len(), 9, "all handed over, none refused");
+    assert!(s.is_connected() && goodbye(&mut s).is_empty());
+    assert_eq!(s.incoming_in_flight(), 9);
     // Bytes split anywhere read the same.
     let (mut s, now) = up(None);
     let bytes =
