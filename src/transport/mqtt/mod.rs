@@ -690,7 +690,7 @@ impl RequestTask {
             ));
             publish.payload = crate::protocol::codec::encode_reply(&reply.id, Err(error), encoding).into();
         }
-        // A follow-up to this request goes out only once rumqttc has this
+        // A follow-up to this request goes out only once the session has this
         // reply: the outbox releases the guard then.
         let reply = Reply { publish, id: reply.id };
         match first_reply_pending {

@@ -1,5 +1,6 @@
-//! From `[mqtt]` config to rumqttc options: address, TLS, credentials and the
-//! session settings that let the broker hold requests while the node is away.
+//! From `[mqtt]` config to client options (the session layer's, and
+//! rumqttc's for the tools): address, TLS, credentials and the session
+//! settings that let the broker hold requests while the node is away.
 
 use crate::config::MqttConfig;
 use crate::tls::{Identity, TlsError, client_config};
