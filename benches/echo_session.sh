@@ -11,15 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-target/release/edgeinfer} rounds=${2:-3}
 source benches/mosquitto.sh
-row() { # name saturated-json low-json
-  python3 - "$@" <<'PY'
-import json, sys
-name, sat, low = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-l, m = sat["latency_us"], low["latency_us"]
-print(f"| {name} | {sat['throughput_rps']:,.0f} req/s, p50 {l['p50']/1e3:.2f} ms, p99 {l['p99']/1e3:.2f} ms | "
-      f"{low['throughput_rps']:,.0f} req/s, p50 {m['p50']:.0f} us, p99 {m['p99']:.0f} us | {sat['errors']+low['errors']} |")
-PY
-}
+source benches/row.sh
 echo "| echo responder on | 4 x 32 in flight | 1 in flight | errors |"
 echo "| --- | --- | --- | --- |"
 for round in $(seq 1 "$rounds"); do

@@ -1,0 +1,12 @@
+# Sourced by the scripts in benches/ that print one table row per setup
+# from two `edgeinfer bench --json` reports: saturated (4 x 32 in flight)
+# and at one request in flight.
+row() { # name saturated-json low-json
+  python3 - "$@" <<'PY'
+import json, sys
+name, sat, low = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+l, m = sat["latency_us"], low["latency_us"]
+print(f"| {name} | {sat['throughput_rps']:,.0f} req/s, p50 {l['p50']/1e3:.2f} ms, p99 {l['p99']/1e3:.2f} ms | "
+      f"{low['throughput_rps']:,.0f} req/s, p50 {m['p50']:.0f} us, p99 {m['p99']:.0f} us | {sat['errors']+low['errors']} |")
+PY
+}
