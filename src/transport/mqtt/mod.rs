@@ -158,7 +158,7 @@ impl MqttService {
         let mut events = self.events.take();
         let session = Session::new(self.options.clone());
         let link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
-        let mut conn = Connection { link, outbox: Outbox::default(), connected: false };
+        let mut conn = Connection { link, outbox: Outbox::default() };
         let admission = Admission {
             requests: Arc::new(Semaphore::new(self.max_in_flight)),
             bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
@@ -193,7 +193,7 @@ impl MqttService {
                 };
                 if let Err(e) = connecting {
                     let wait = backoff.next_wait();
-                    self.lost(&mut conn, &e.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
+                    self.lost(&e.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
                     tokio::select! {
                         _ = &mut shutdown => break,
                         _ = tokio::time::sleep(wait) => continue,
@@ -209,7 +209,7 @@ impl MqttService {
                 }
                 // Only while connected: while the broker is away they wait
                 // upstream, in bounded channels and then in the spool.
-                Some(follow_up) = next_follow_up(&mut follow_ups), if conn.connected => {
+                Some(follow_up) = next_follow_up(&mut follow_ups), if conn.link.is_connected() => {
                     // Its provisional reply was handed on before it came
                     // (`FirstReply`): publish that first.
                     while let Ok(done) = finished.try_recv() {
@@ -226,7 +226,7 @@ impl MqttService {
                     continue;
                 }
                 // While the broker is away they wait in their channel.
-                Some(decision) = next_event(&mut events), if conn.connected => {
+                Some(decision) = next_event(&mut events), if conn.link.is_connected() => {
                     self.publish_event(&mut conn, &decision);
                     if *self.ready_tx.borrow() {
                         self.publish_status(&mut conn, State::Online);
@@ -243,7 +243,7 @@ impl MqttService {
                     self.publish_stats(&mut conn).await;
                     continue;
                 }
-                changed = share_joined.changed(), if !share_gone && conn.connected => {
+                changed = share_joined.changed(), if !share_gone && conn.link.is_connected() => {
                     share_gone = changed.is_err();
                     let joined = !share_gone && *share_joined.borrow();
                     self.update_ready(&mut conn, subscribed, joined, session);
@@ -254,7 +254,6 @@ impl MqttService {
             match event {
                 Event::Connected { session_present } => {
                     backoff.reset();
-                    conn.connected = true;
                     conn.outbox.set_max_packet(conn.link.session().peer_max_packet());
                     if !session_present {
                         // The broker lost our session: the requests it held
@@ -322,7 +321,7 @@ impl MqttService {
                 }
                 Event::Closed(why) => {
                     let wait = backoff.next_wait();
-                    self.lost(&mut conn, &why.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
+                    self.lost(&why.to_string(), wait, (&mut awaiting_suback, &mut subscribed));
                     tokio::select! {
                         _ = &mut shutdown => break,
                         _ = tokio::time::sleep(wait) => {}
@@ -353,8 +352,7 @@ impl MqttService {
 
     /// The connection is gone (or never came): not ready, and why; the
     /// next try in `wait`.
-    fn lost(&self, conn: &mut Connection, why: &str, wait: Duration, pending: (&mut bool, &mut bool)) {
-        conn.connected = false;
+    fn lost(&self, why: &str, wait: Duration, pending: (&mut bool, &mut bool)) {
         self.ready_tx.send_replace(false);
         (*pending.0, *pending.1) = (false, false);
         metrics::gauge!(crate::telemetry::MQTT_CONNECTED).set(0.0);
@@ -403,11 +401,7 @@ impl MqttService {
                 event = conn.link.next() => match event {
                     // Left with the broker: never acknowledged.
                     Event::Publish { .. } => held_back += 1,
-                    Event::Connected { .. } => conn.connected = true,
-                    Event::Closed(_) => {
-                        conn.connected = false;
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    Event::Closed(_) => tokio::time::sleep(Duration::from_millis(50)).await,
                     other => conn.outbox.settled(&other),
                 },
                 _ = tokio::time::sleep_until(deadline) => break,
@@ -453,7 +447,7 @@ impl MqttService {
             "interval_s": interval.as_secs(),
             "models": self.engine.take_stats(interval).await,
         });
-        if conn.connected {
+        if conn.link.is_connected() {
             // QoS 0: on this connection or not at all.
             let stats = Publish::new(self.topics.stats(), QoS::AtMostOnce, stats.to_string(), None);
             let _ = conn.link.session().publish(stats);
@@ -530,12 +524,11 @@ impl MqttService {
     }
 }
 
-/// The connection as the loop holds it: the session on its socket, the
-/// notes of what it published, and whether it is connected.
+/// The connection as the loop holds it: the session on its socket and the
+/// notes of what it published.
 struct Connection {
     link: Driver,
     outbox: Outbox,
-    connected: bool,
 }
 
 impl Connection {

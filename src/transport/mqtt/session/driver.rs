@@ -69,6 +69,11 @@ impl Driver {
         self.writes
     }
 
+    /// CONNACK heard on the open connection.
+    pub fn is_connected(&self) -> bool {
+        self.session.is_connected()
+    }
+
     pub fn is_open(&self) -> bool {
         self.write.is_some()
     }
