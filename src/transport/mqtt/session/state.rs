@@ -103,6 +103,16 @@ impl Session {
         self.incoming.in_flight() + self.unwritten_acks
     }
 
+    /// Broker publishes whose acknowledgement is not yet queued to be
+    /// written: held for their request (or one before it, in arrival
+    /// order), QoS 2 ones awaiting PUBREL, and acknowledgements owed to the
+    /// next connection. One queued is written at the driver's next turn,
+    /// which the owner of the session does not see: a gauge set from
+    /// `incoming_in_flight` would stay at the count before that write.
+    pub fn awaiting_acknowledgement(&self) -> usize {
+        self.incoming.in_flight()
+    }
+
     /// Bytes read and not yet a whole packet: at most one packet of
     /// `max_packet_size` and the read that brought it.
     pub fn buffered(&self) -> usize {
