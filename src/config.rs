@@ -110,6 +110,39 @@ pub struct MqttConfig {
     /// `devices/cam-3/replies`); empty: any topic except `$` topics and
     /// those under `topic_prefix`, which are always refused.
     pub reply_prefixes: Vec<String>,
+    /// The request journal: requests on the node's own topic are
+    /// acknowledged once journaled, and run again after a crash.
+    pub journal: JournalConfig,
+}
+
+/// `[mqtt.journal]`: the node takes ownership of a request on its own
+/// topic by journaling it in `node.state_dir/journal`, acknowledges it
+/// then, and runs it again at the next start if its reply was not
+/// confirmed. Requests of the share group are not journaled (unanswered,
+/// they go to another member of the group).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct JournalConfig {
+    /// Bytes the journal's files may take; 0 turns it off (requests are
+    /// then acknowledged after their reply), else at least 1 MiB. When
+    /// full, requests are acknowledged after their reply until answers
+    /// make room, so the broker's window slows the flow: nothing is dropped.
+    pub max_bytes: u64,
+    /// Sync each group of journaled requests to the disk before
+    /// acknowledging them (survives a power cut). `false` spares an SD
+    /// card the writes and still survives a crash of the node (the kernel
+    /// has what was written), not a power cut.
+    pub fsync: bool,
+    /// How long a group stays open for more requests after its first,
+    /// 0 to 100 ms: one sync per group. Replies never wait for it, only
+    /// acknowledgements do; longer means fewer syncs (less SD card wear).
+    pub commit_window_ms: u64,
+}
+
+impl Default for JournalConfig {
+    fn default() -> Self {
+        JournalConfig { max_bytes: 64 * 1024 * 1024, fsync: true, commit_window_ms: 1 }
+    }
 }
 
 /// A value that never appears in logs, status or `Debug` output.
@@ -493,6 +526,7 @@ impl Default for MqttConfig {
             client_key_file: None,
             max_in_flight: 512,
             reply_prefixes: Vec::new(),
+            journal: JournalConfig::default(),
         }
     }
 }
@@ -1081,6 +1115,25 @@ impl Config {
                 ),
             );
         }
+        let journal = &self.mqtt.journal;
+        if journal.max_bytes > 0 && journal.max_bytes < 1024 * 1024 {
+            bad(
+                "mqtt.journal.max_bytes",
+                format!(
+                    "{}: use 0 (off) or at least 1048576 (1 MiB: room for the requests in flight and their answers)",
+                    journal.max_bytes
+                ),
+            );
+        }
+        if journal.commit_window_ms > 100 {
+            bad(
+                "mqtt.journal.commit_window_ms",
+                format!(
+                    "{}: use 0 to 100 (acknowledgements wait for it; the broker redelivers what waits too long)",
+                    journal.commit_window_ms
+                ),
+            );
+        }
         let rt = &self.runtime;
         batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms);
         for (name, model) in &self.models {
@@ -1371,5 +1424,29 @@ mod tests {
                 Config::load_with_env(None, env(&[("EDGEINFER_CACHE__DISK_BYTES", allowed)])).unwrap();
             assert_eq!(config.cache.disk_bytes.to_string(), allowed);
         }
+    }
+
+    /// Issue 36: the journal's bound and commit window are checked at start.
+    #[test]
+    fn journal_mistakes_name_the_key_the_value_and_what_is_allowed() {
+        let err = Config::load_with_env(
+            None,
+            env(&[
+                ("EDGEINFER_MQTT__JOURNAL__MAX_BYTES", "4096"),
+                ("EDGEINFER_MQTT__JOURNAL__COMMIT_WINDOW_MS", "500"),
+            ]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("mqtt.journal.max_bytes") && err.contains("4096") && err.contains("1048576"),
+            "{err}"
+        );
+        assert!(
+            err.contains("mqtt.journal.commit_window_ms") && err.contains("500") && err.contains("0 to 100"),
+            "{err}"
+        );
+        let off = Config::load_with_env(None, env(&[("EDGEINFER_MQTT__JOURNAL__MAX_BYTES", "0")])).unwrap();
+        assert_eq!(off.mqtt.journal.max_bytes, 0);
     }
 }

@@ -10,6 +10,7 @@ use crate::lifecycle::{self, Heartbeat, Notifier, ReloadSource, Signal};
 use crate::model::Registry;
 use crate::rollout::Rollout;
 use crate::telemetry::{self, Status, unix_now};
+use crate::transport::mqtt::journal::{Journal, JournalOptions, JournalThread};
 use crate::transport::mqtt::{BrokerAddress, MqttService, OptionsError};
 use crate::transport::{broker, http};
 use std::net::SocketAddr;
@@ -70,6 +71,9 @@ pub struct Node {
     http: Option<JoinHandle<()>>,
     /// Set once: the services stop taking requests and drain.
     stop: watch::Sender<bool>,
+    /// The request journal's threads: their last answers are written
+    /// before the process exits.
+    journal: Option<JournalThread>,
 }
 
 impl Node {
@@ -140,6 +144,16 @@ impl Node {
         let status = Status::new(&config.node.id, &engine.registry(), unix_now());
         let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
         let mut service = service.with_follow_ups(follow_ups_rx).with_events(decisions);
+        let mut journal_thread = None;
+        if let Some(options) = journal_options(&config) {
+            match Journal::open(options) {
+                Ok((journal, replay, thread)) => {
+                    service = service.with_journal(journal, replay);
+                    journal_thread = Some(thread);
+                }
+                Err(e) => tracing::error!("{e}; requests are acknowledged after their reply"),
+            }
+        }
         if let Some(auth) = control {
             service = service.with_control(auth);
             tracing::info!(
@@ -218,6 +232,7 @@ impl Node {
             refresh_status,
             http: http_server,
             stop,
+            journal: journal_thread,
         })
     }
 
@@ -282,6 +297,11 @@ impl Node {
             let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
         }
         self.engine.cache().flush().await;
+        if let Some(journal) = self.journal.take() {
+            // The MQTT service is done and its handles dropped: what it
+            // recorded last is written (and synced) before the exit.
+            let _ = tokio::task::spawn_blocking(move || journal.finish(Duration::from_secs(2))).await;
+        }
         tracing::info!("stopped");
     }
 
@@ -469,6 +489,21 @@ fn warn_unloaded_pins(engine: &Engine) {
             }
         }
     }
+}
+
+/// `[mqtt.journal]`, or `None` when it is off.
+fn journal_options(config: &Config) -> Option<JournalOptions> {
+    let journal = &config.mqtt.journal;
+    (journal.max_bytes > 0).then(|| JournalOptions {
+        dir: config.node.state_dir.join("journal"),
+        max_bytes: journal.max_bytes,
+        fsync: journal.fsync,
+        commit_window: Duration::from_millis(journal.commit_window_ms),
+        // A re-delivery is of what the broker had sent and not seen
+        // acknowledged: at most its window, which mosquitto does not keep
+        // to our Receive Maximum.
+        answered_capacity: (4 * config.mqtt.max_in_flight).max(4096),
+    })
 }
 
 #[cfg(test)]

@@ -46,6 +46,17 @@ pub const MQTT_UNACKNOWLEDGED: &str = "edgeinfer_mqtt_unacknowledged_requests";
 /// Replies, follow-ups, acknowledgements and the status the outbox holds
 /// until the broker acknowledged them.
 pub const MQTT_OUTBOX: &str = "edgeinfer_mqtt_outbox_publishes";
+/// The request journal's files (`mqtt.journal.max_bytes` bounds them).
+pub const JOURNAL_BYTES: &str = "edgeinfer_journal_bytes";
+/// Requests not journaled, by `reason`: `full` (no room within
+/// `mqtt.journal.max_bytes`) or `error` (the disk failed); each was
+/// acknowledged after its reply instead.
+pub const JOURNAL_NOT_KEPT: &str = "edgeinfer_journal_not_kept_total";
+/// Re-deliveries of a journaled request, acknowledged and not run again.
+pub const JOURNAL_DUPLICATES: &str = "edgeinfer_journal_duplicates_total";
+/// Journaled requests run again at a start (the node stopped before their
+/// reply was confirmed).
+pub const JOURNAL_REPLAYED: &str = "edgeinfer_journal_replayed_total";
 /// Requests dropped unanswered for their reply topic, by `reason`: `system`
 /// (`$` topics), `reserved` (under `mqtt.topic_prefix`), `not_allowed`
 /// (outside `mqtt.reply_prefixes`).
@@ -213,6 +224,19 @@ pub fn install() -> Option<PrometheusHandle> {
         MQTT_OUTBOX,
         "Publishes and acknowledgements the MQTT outbox holds until the broker acknowledged them"
     );
+    metrics::describe_gauge!(
+        JOURNAL_BYTES,
+        "Bytes of the request journal's files (at most mqtt.journal.max_bytes)"
+    );
+    metrics::describe_counter!(
+        JOURNAL_NOT_KEPT,
+        "Requests not journaled (reason full or error), acknowledged after their reply instead"
+    );
+    metrics::describe_counter!(
+        JOURNAL_DUPLICATES,
+        "Re-deliveries of a journaled request, acknowledged and not run again"
+    );
+    metrics::describe_counter!(JOURNAL_REPLAYED, "Journaled requests run again at a start");
     metrics::describe_counter!(
         MQTT_REPLY_TOPICS_REFUSED,
         "Requests dropped unanswered for their reply topic, by reason: system ($ topics), reserved (under mqtt.topic_prefix), not_allowed (outside mqtt.reply_prefixes)"

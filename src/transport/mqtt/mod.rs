@@ -8,6 +8,7 @@
 mod acks;
 mod ask;
 mod control;
+pub mod journal;
 mod options;
 mod outbox;
 mod replay;
@@ -30,6 +31,7 @@ use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, fi
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
 use acks::{AckSlot, Finished};
+use journal::{Journal, Kept, Waiting};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
@@ -68,6 +70,10 @@ pub struct MqttService {
     /// The share group's connection (`share.rs`), run beside this one.
     share: Option<share::ShareLink>,
     share_view: share::ShareView,
+    /// The request journal (`mqtt.journal`), and what a previous run left
+    /// in it unanswered.
+    journal: Option<Journal>,
+    replay: Vec<Waiting>,
 }
 
 impl MqttService {
@@ -113,6 +119,8 @@ impl MqttService {
                 control: None,
                 share_view: share.view(),
                 share: Some(share),
+                journal: None,
+                replay: Vec::new(),
             },
             ready_rx,
         ))
@@ -128,6 +136,15 @@ impl MqttService {
     /// and refreshes the retained status.
     pub fn with_events(mut self, rx: tokio::sync::mpsc::Receiver<Decision>) -> MqttService {
         self.events = Some(rx);
+        self
+    }
+
+    /// Journals the requests on the node's own topic in `journal` and
+    /// acknowledges them once it has them; runs `replay` (what an earlier
+    /// run left unanswered) again first.
+    pub fn with_journal(mut self, journal: Journal, replay: Vec<Waiting>) -> MqttService {
+        self.journal = Some(journal);
+        self.replay = replay;
         self
     }
 
@@ -158,12 +175,15 @@ impl MqttService {
         let mut events = self.events.take();
         let session = Session::new(self.options.clone());
         let link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
-        let mut conn = Connection { link, outbox: Outbox::default() };
+        let mut conn = Connection { link, outbox: Outbox::with_journal(self.journal.clone()) };
         let admission = Admission {
             requests: Arc::new(Semaphore::new(self.max_in_flight)),
             bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
+            max_bytes: self.max_bytes_in_flight,
         };
         let (finished_tx, mut finished) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = tokio::task::JoinSet::new();
+        self.replay(&mut tasks, &admission, &finished_tx, conn.outbox.max_packet());
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let mut awaiting_suback = false;
         // The share group rides a connection of its own (`share.rs`), which
@@ -179,12 +199,11 @@ impl MqttService {
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
-        let mut tasks = tokio::task::JoinSet::new();
         let unacknowledged = metrics::gauge!(crate::telemetry::MQTT_UNACKNOWLEDGED);
         let outbox_held = metrics::gauge!(crate::telemetry::MQTT_OUTBOX);
         loop {
             self.heartbeat.beat();
-            unacknowledged.set(conn.link.session().incoming_in_flight() as f64);
+            unacknowledged.set(conn.link.session().awaiting_acknowledgement() as f64);
             outbox_held.set(conn.outbox.len() as f64);
             if !conn.link.is_open() {
                 let connecting = tokio::select! {
@@ -312,6 +331,8 @@ impl MqttService {
                         engine: self.engine.clone(),
                         topics: self.topics.clone(),
                         max_reply: conn.outbox.max_packet(),
+                        journal: self.journal.clone(),
+                        replayed: None,
                     };
                     tasks.spawn(async move {
                         let refusal = admitted.as_ref().err().cloned();
@@ -347,6 +368,51 @@ impl MqttService {
         if conn.link.is_open() {
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.link.flush()).await;
             conn.link.disconnect().await;
+        }
+    }
+
+    /// Runs the journaled requests an earlier run left unanswered, oldest
+    /// first, each as admission allows (they wait for room rather than
+    /// being refused); their replies wait in the session until connected.
+    fn replay(
+        &mut self,
+        tasks: &mut tokio::task::JoinSet<()>,
+        admission: &Admission,
+        finished_tx: &tokio::sync::mpsc::UnboundedSender<Finished>,
+        max_reply: Arc<AtomicUsize>,
+    ) {
+        let replay = std::mem::take(&mut self.replay);
+        if replay.is_empty() {
+            return;
+        }
+        tracing::info!(
+            "running {} journaled requests again (the node stopped before their reply was confirmed)",
+            replay.len()
+        );
+        metrics::counter!(crate::telemetry::JOURNAL_REPLAYED).increment(replay.len() as u64);
+        // In their order: each is admitted once the one before it was.
+        let mut before: Option<tokio::sync::oneshot::Receiver<()>> = None;
+        for waiting in replay {
+            let publish = waiting.request.to_publish();
+            let task = RequestTask {
+                engine: self.engine.clone(),
+                topics: self.topics.clone(),
+                max_reply: max_reply.clone(),
+                journal: None,
+                replayed: Some(waiting.seq),
+            };
+            let (admission, slot) = (admission.clone(), AckSlot::new(None, finished_tx.clone()));
+            let (admitted_tx, admitted_rx) = tokio::sync::oneshot::channel();
+            let turn = before.replace(admitted_rx);
+            tasks.spawn(async move {
+                if let Some(turn) = turn {
+                    let _ = turn.await;
+                }
+                let admitted = admission.wait(publish.payload.len()).await;
+                let _ = admitted_tx.send(());
+                task.handle(publish, None, slot).await;
+                drop(admitted);
+            });
         }
     }
 
@@ -539,8 +605,13 @@ impl Connection {
     /// A request finished: its reply goes out, then (once the reply is
     /// written) its acknowledgement, in arrival order.
     fn finished(&mut self, done: Finished) {
+        if done.reply.is_none() {
+            // Dropped, with nowhere to reply: nothing more to do for it.
+            self.outbox.answered(done.journaled);
+        }
         let reply = done.reply.and_then(|Reply { publish, id }| {
-            self.outbox.publish(self.link.session(), publish, Note::Reply { id, first: done.first })
+            let note = Note::Reply { id, first: done.first, journaled: done.journaled };
+            self.outbox.publish(self.link.session(), publish, note)
         });
         if let Some(arrival) = done.arrival {
             self.link.session().acknowledge_after(arrival, reply);
@@ -570,6 +641,8 @@ async fn next_follow_up(rx: &mut Option<tokio::sync::mpsc::Receiver<FollowUp>>) 
 struct Admission {
     requests: Arc<Semaphore>,
     bytes: Arc<Semaphore>,
+    /// `bytes`' size.
+    max_bytes: usize,
 }
 
 type Admitted = (tokio::sync::OwnedSemaphorePermit, tokio::sync::OwnedSemaphorePermit);
@@ -593,18 +666,65 @@ impl Admission {
             })?;
         Ok((request, bytes))
     }
+
+    /// Permits for a request of `len` payload bytes, once there is room.
+    async fn wait(&self, len: usize) -> Admitted {
+        let request = self.requests.clone().acquire_owned().await.expect("never closed");
+        let n = len.clamp(1, self.max_bytes.max(1)).min(u32::MAX as usize) as u32;
+        let bytes = self.bytes.clone().acquire_many_owned(n).await.expect("never closed");
+        (request, bytes)
+    }
 }
 
 struct RequestTask {
     engine: Arc<Engine>,
     topics: Topics,
     max_reply: Arc<AtomicUsize>,
+    /// Journals the request before it runs (the node's own topic only).
+    journal: Option<Journal>,
+    /// The journal's seq of a request run again at a start.
+    replayed: Option<u64>,
 }
 
+/// A re-delivery of a request the journal holds or answered.
+struct Duplicate;
+
 impl RequestTask {
+    /// Journals the request (QoS 1 or 2, with a journal): `Ok` with what
+    /// says when it is durable, or `Ok(None)` when it is not journaled (it
+    /// is acknowledged after its reply then).
+    async fn keep(
+        &self,
+        publish: &Publish,
+        ack: &mut AckSlot,
+    ) -> Result<Option<tokio::sync::oneshot::Receiver<()>>, Duplicate> {
+        if self.replayed.is_some() {
+            return Ok(None);
+        }
+        // The node's own topic only: a share group's request an old
+        // session still delivers here stays unacknowledged until answered.
+        let own = self.topics.is_node_request(&publish.topic);
+        let Some(journal) = self.journal.as_ref().filter(|_| own && publish.qos != QoS::AtMostOnce) else {
+            return Ok(None);
+        };
+        match journal.keep(publish).await {
+            Kept::Journaled { seq, durable } => {
+                ack.journaled(seq);
+                Ok(Some(durable))
+            }
+            Kept::Duplicate => Err(Duplicate),
+            Kept::NotKept => Ok(None),
+        }
+    }
+
     /// Answers one request, handing its reply (or none, with nowhere to
     /// send one) back to the loop, which acknowledges the request after it.
-    async fn handle(self, publish: Publish, refusal: Option<InferError>, ack: AckSlot) {
+    async fn handle(self, publish: Publish, refusal: Option<InferError>, mut ack: AckSlot) {
+        if let Some(seq) = self.replayed {
+            // Whatever becomes of it now (even dropped, for a reply topic
+            // the config no longer allows) ends it in the journal.
+            ack.journaled(seq);
+        }
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
         let props = publish.properties.clone().unwrap_or_default();
         let encoding = Encoding::from_content_type(props.content_type.as_deref());
@@ -642,7 +762,7 @@ impl RequestTask {
         let device = Some(destination.as_str());
         let envelope = Envelope { transport: "mqtt", device, ..Envelope::model(model.unwrap_or("")) };
         let mut first_reply_pending = None;
-        let reply = match (decoded, refusal) {
+        let (reply, durable) = match (decoded, refusal) {
             (Ok(decoded), _) => {
                 let route = ReplyRoute {
                     topic: destination.clone(),
@@ -654,14 +774,27 @@ impl RequestTask {
                 let route = FollowUpTo { route, after };
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
                 let envelope = Envelope { deadline, follow_up: Some(&route), ..envelope };
-                self.engine.answer(envelope, decoded, encoding).await
+                let durable = match self.keep(&publish, &mut ack).await {
+                    Ok(durable) => durable,
+                    Err(Duplicate) => {
+                        tracing::debug!(
+                            "a re-delivery of a journaled request on {topic}; acknowledged, not run again"
+                        );
+                        ack.send(None);
+                        return;
+                    }
+                };
+                ack.acknowledge_when(durable, self.engine.answer(envelope, decoded, encoding)).await
             }
-            (Err(peek), Some(refusal)) => self.engine.reject(envelope, peek.id, encoding, refusal),
-            (Err(peek), None) => self.engine.reject(
-                envelope,
-                peek.id,
-                encoding,
-                InferError::unknown_model(format!("topic {topic} does not name a model")),
+            (Err(peek), Some(refusal)) => (self.engine.reject(envelope, peek.id, encoding, refusal), None),
+            (Err(peek), None) => (
+                self.engine.reject(
+                    envelope,
+                    peek.id,
+                    encoding,
+                    InferError::unknown_model(format!("topic {topic} does not name a model")),
+                ),
+                None,
             ),
         };
         if let Err(code) = reply.outcome {
@@ -686,9 +819,6 @@ impl RequestTask {
         // A follow-up to this request goes out only once the session has this
         // reply: the outbox releases the guard then.
         let reply = Reply { publish, id: reply.id };
-        match first_reply_pending {
-            Some(first) => ack.send_first(reply, first),
-            None => ack.send(Some(reply)),
-        }
+        ack.send_then_acknowledge(reply, first_reply_pending, durable).await;
     }
 }

@@ -8,6 +8,7 @@
 //! of the requests in flight, a bounded number of follow-ups, the status
 //! and the rollout events).
 
+use super::journal::Journal;
 use super::session::{Event, Session};
 use crate::protocol::Delivery;
 use crate::telemetry;
@@ -31,6 +32,9 @@ pub enum Note {
         /// follow-up to the request waits for it, so the final reply never
         /// overtakes the provisional one, even from another connection.
         first: Option<crate::protocol::FirstReplyPending>,
+        /// The request's seq in the journal: recorded answered once the
+        /// broker has the reply (or never will).
+        journaled: Option<u64>,
     },
     FollowUp(Delivery),
     /// The retained status.
@@ -46,15 +50,28 @@ pub struct Outbox {
     /// is known), shared with the request tasks, which turn a larger reply
     /// into `too_large`.
     max_packet: Arc<AtomicUsize>,
+    journal: Option<Journal>,
 }
 
 impl Default for Outbox {
     fn default() -> Outbox {
-        Outbox { notes: HashMap::new(), max_packet: Arc::new(AtomicUsize::new(usize::MAX)) }
+        Outbox { notes: HashMap::new(), max_packet: Arc::new(AtomicUsize::new(usize::MAX)), journal: None }
     }
 }
 
 impl Outbox {
+    /// Replies of journaled requests are recorded answered in `journal`.
+    pub fn with_journal(journal: Option<Journal>) -> Outbox {
+        Outbox { journal, ..Outbox::default() }
+    }
+
+    /// The request `seq` needs no more from the node.
+    pub fn answered(&self, seq: Option<u64>) {
+        if let (Some(journal), Some(seq)) = (&self.journal, seq) {
+            journal.answered(seq);
+        }
+    }
+
     /// Hands `publish` to the session (it goes now, or when connected);
     /// answers its packet id (none for QoS 0, or for one refused here).
     pub fn publish(&mut self, session: &mut Session, publish: Publish, mut note: Note) -> Option<u16> {
@@ -68,6 +85,7 @@ impl Outbox {
                 Some(pkid)
             }
             Err(e) => {
+                self.answered(journaled(&note));
                 refused(note, "too_large", &e.to_string());
                 None
             }
@@ -77,13 +95,14 @@ impl Outbox {
     /// The session's word on one of our publishes.
     pub fn settled(&mut self, event: &Event) {
         match event {
-            Event::Delivered { pkid } => {
-                if let Some(Note::FollowUp(delivery)) = self.notes.remove(pkid) {
-                    delivery.confirm();
-                }
-            }
+            Event::Delivered { pkid } => match self.notes.remove(pkid) {
+                Some(Note::FollowUp(delivery)) => delivery.confirm(),
+                Some(Note::Reply { journaled, .. }) => self.answered(journaled),
+                _ => {}
+            },
             Event::Refused { pkid, reason } => {
                 if let Some(note) = self.notes.remove(pkid) {
+                    self.answered(journaled(&note));
                     refused(note, "broker", &format!("the broker refused it (reason {reason:#04x})"));
                 }
             }
@@ -107,10 +126,17 @@ impl Outbox {
     }
 }
 
+fn journaled(note: &Note) -> Option<u64> {
+    match note {
+        Note::Reply { journaled, .. } => *journaled,
+        _ => None,
+    }
+}
+
 /// A reply that will never reach the broker (a connection on the session
 /// layer): counted and logged with its request's id.
 pub fn not_delivered(id: &str, why: &str) {
-    refused(Note::Reply { id: id.to_string(), first: None }, "broker", why);
+    refused(Note::Reply { id: id.to_string(), first: None, journaled: None }, "broker", why);
 }
 
 /// A publish that will never reach the broker: counted and logged with what
@@ -162,8 +188,9 @@ mod tests {
     fn each_confirmation_settles_the_publish_it_names() {
         let (mut session, mut outbox) = (session(), Outbox::default());
         let (tx, mut reports) = mpsc::unbounded_channel();
-        let r1 =
-            outbox.publish(&mut session, reply(1), Note::Reply { id: "r1".into(), first: None }).unwrap();
+        let r1 = outbox
+            .publish(&mut session, reply(1), Note::Reply { id: "r1".into(), first: None, journaled: None })
+            .unwrap();
         let f2 =
             outbox.publish(&mut session, reply(2), Note::FollowUp(Delivery::new(b"k2".to_vec(), tx.clone())));
         let f3 =
@@ -186,7 +213,11 @@ mod tests {
         let (mut session, mut outbox) = (session(), Outbox::default());
         let (pending, after) = crate::protocol::first_reply();
         let sent = after.sent();
-        outbox.publish(&mut session, reply(1), Note::Reply { id: "r1".into(), first: Some(pending) });
+        outbox.publish(
+            &mut session,
+            reply(1),
+            Note::Reply { id: "r1".into(), first: Some(pending), journaled: None },
+        );
         tokio::time::timeout(std::time::Duration::from_secs(1), sent).await.expect("handed to the session");
         assert_eq!(outbox.len(), 1, "still waiting for its confirmation");
     }

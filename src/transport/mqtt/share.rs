@@ -337,6 +337,10 @@ impl Line {
             engine: self.engine.clone(),
             topics: topics.clone(),
             max_reply: self.max_reply.clone(),
+            // Unjournaled: unacknowledged until answered, a request goes to
+            // another member of the group if this node dies.
+            journal: None,
+            replayed: None,
         };
         self.tasks.spawn(async move {
             let refusal = admitted.as_ref().err().cloned();

@@ -70,6 +70,13 @@ impl Topics {
         format!("{}/{}/infer/+", self.prefix, self.node)
     }
 
+    /// Whether `topic` is a request on this node's own topic
+    /// (`PREFIX/NODE/infer/MODEL`), not the share group's.
+    pub fn is_node_request(&self, topic: &[u8]) -> bool {
+        let rest = topic.strip_prefix(self.prefix.as_bytes()).and_then(|r| r.strip_prefix(b"/"));
+        rest.and_then(|r| r.strip_prefix(self.node.as_bytes())).is_some_and(|r| r.starts_with(b"/infer/"))
+    }
+
     /// Requests any node of the share group may take.
     pub fn shared_requests(&self) -> String {
         format!("$share/{}/{}/infer/+", self.group, self.prefix)

@@ -12,6 +12,7 @@ mod faults;
 mod http_access;
 mod http_split;
 mod idle;
+mod journal;
 mod lifecycle;
 mod mosquitto;
 mod observability;
