@@ -10,6 +10,11 @@
 # Two liberties, both for "A real site": its config is written to a scratch
 # directory ($etc) instead of /etc/edgeinfer, and its broker (a site's
 # mqtts://broker.site:8883) is the node's embedded one started above.
+# A third only where CARGO_BUILD_TARGET is set (CI sets it to the static
+# x86-64 target cross/build.sh has just built, so the release build is
+# not done twice; the same sources, profile and features, for musl instead
+# of the host's libc): `cargo run` then builds for that target, and the
+# binary is looked for under target/TARGET/release.
 # `cargo test --features failpoints` is left to .ci/run, which runs it on
 # the same clean checkout. Needs what the README needs: a Rust toolchain,
 # mosquitto-clients and curl, with 127.0.0.1:1883 and :9464 free or the
@@ -79,7 +84,7 @@ grep -q 'id = "gw-01"' "$etc/edgeinfer.toml" || fail "README.md lost its site co
 printf 'site-password\n' > "$etc/mqtt.password"
 head -c 24 /dev/urandom | base64 > "$etc/admin.token"
 chmod 0600 "$etc/mqtt.password" "$etc/admin.token"
-PATH="$PWD/target/release:$PATH"
+PATH="$PWD/target/${CARGO_BUILD_TARGET:+$CARGO_BUILD_TARGET/}release:$PATH"
 edgeinfer config check $etc/edgeinfer.toml   # every mistake at once, with the fix
 edgeinfer --config $etc/edgeinfer.toml doctor # config, models, state dir, broker login and
                                               # round trip, systemd limits, clock, Redis, cloud
