@@ -8,8 +8,9 @@
 //! request (`journal.rs`) is acknowledged once the journal has it durably,
 //! which may be before its reply.
 
+use super::journal::Durable;
 use super::session::Arrival;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 /// A request finished: its reply (if it has one), and its place in line.
 pub struct Finished {
@@ -64,15 +65,15 @@ impl AckSlot {
     /// follow the reply, as without a journal.
     pub async fn acknowledge_when<T>(
         &mut self,
-        durable: Option<oneshot::Receiver<()>>,
+        durable: Option<Durable>,
         work: impl std::future::Future<Output = T>,
-    ) -> (T, Option<oneshot::Receiver<()>>) {
+    ) -> (T, Option<Durable>) {
         let Some(mut durable) = durable else { return (work.await, None) };
         tokio::pin!(work);
         tokio::select! {
             biased;
             synced = &mut durable => {
-                if synced.is_ok() {
+                if synced {
                     self.acknowledge();
                 }
                 (work.await, None)
@@ -93,14 +94,14 @@ impl AckSlot {
         mut self,
         reply: super::outbox::Reply,
         first: Option<crate::protocol::FirstReplyPending>,
-        durable: Option<oneshot::Receiver<()>>,
+        durable: Option<Durable>,
     ) {
         let Some(durable) = durable else { return self.report(Some(reply), first) };
         let arrival = self.arrival.take();
         self.report(Some(reply), first);
-        // After a failed sync too: the reply is ahead of it in the channel,
-        // and the written record survives a crash of the node.
-        let _ = durable.await;
+        // After a failed or slow sync too: the reply is ahead of it in the
+        // channel, and the written record survives a crash of the node.
+        let _synced = durable.await;
         self.arrival = arrival;
         self.acknowledge();
     }

@@ -31,7 +31,7 @@ use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, fi
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
 use acks::{AckSlot, Finished};
-use journal::{Journal, Kept, Waiting};
+use journal::{Durable, Journal, Kept, Waiting};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
@@ -348,7 +348,7 @@ impl MqttService {
                         _ = tokio::time::sleep(wait) => {}
                     }
                 }
-                other => conn.outbox.settled(&other),
+                other => conn.settled(&other),
             }
         }
         // The share group is left first (its loop unsubscribes at once) and
@@ -468,7 +468,7 @@ impl MqttService {
                     // Left with the broker: never acknowledged.
                     Event::Publish { .. } => held_back += 1,
                     Event::Closed(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                    other => conn.outbox.settled(&other),
+                    other => conn.settled(&other),
                 },
                 _ = tokio::time::sleep_until(deadline) => break,
             }
@@ -598,6 +598,16 @@ struct Connection {
 }
 
 impl Connection {
+    /// The session's word on our publishes; once it has told all it read,
+    /// the answers this recorded are written to the journal, one write for
+    /// what the socket brought.
+    fn settled(&mut self, event: &Event) {
+        self.outbox.settled(event);
+        if !self.link.session().has_events() {
+            self.outbox.flush_journal();
+        }
+    }
+
     fn publish(&mut self, publish: Publish, note: Note) {
         self.outbox.publish(self.link.session(), publish, note);
     }
@@ -605,9 +615,10 @@ impl Connection {
     /// A request finished: its reply goes out, then (once the reply is
     /// written) its acknowledgement, in arrival order.
     fn finished(&mut self, done: Finished) {
-        if done.reply.is_none() {
+        if done.reply.is_none() && done.journaled.is_some() {
             // Dropped, with nowhere to reply: nothing more to do for it.
             self.outbox.answered(done.journaled);
+            self.outbox.flush_journal();
         }
         let reply = done.reply.and_then(|Reply { publish, id }| {
             let note = Note::Reply { id, first: done.first, journaled: done.journaled };
@@ -693,11 +704,7 @@ impl RequestTask {
     /// Journals the request (QoS 1 or 2, with a journal): `Ok` with what
     /// says when it is durable, or `Ok(None)` when it is not journaled (it
     /// is acknowledged after its reply then).
-    async fn keep(
-        &self,
-        publish: &Publish,
-        ack: &mut AckSlot,
-    ) -> Result<Option<tokio::sync::oneshot::Receiver<()>>, Duplicate> {
+    fn keep(&self, publish: &Publish, ack: &mut AckSlot) -> Result<Option<Durable>, Duplicate> {
         if self.replayed.is_some() {
             return Ok(None);
         }
@@ -707,7 +714,7 @@ impl RequestTask {
         let Some(journal) = self.journal.as_ref().filter(|_| own && publish.qos != QoS::AtMostOnce) else {
             return Ok(None);
         };
-        match journal.keep(publish).await {
+        match journal.keep(publish) {
             Kept::Journaled { seq, durable } => {
                 ack.journaled(seq);
                 Ok(Some(durable))
@@ -774,7 +781,7 @@ impl RequestTask {
                 let route = FollowUpTo { route, after };
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
                 let envelope = Envelope { deadline, follow_up: Some(&route), ..envelope };
-                let durable = match self.keep(&publish, &mut ack).await {
+                let durable = match self.keep(&publish, &mut ack) {
                     Ok(durable) => durable,
                     Err(Duplicate) => {
                         tracing::debug!(

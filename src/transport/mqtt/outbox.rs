@@ -65,10 +65,17 @@ impl Outbox {
         Outbox { journal, ..Outbox::default() }
     }
 
-    /// The request `seq` needs no more from the node.
+    /// The request `seq` needs no more from the node (recorded in memory;
+    /// `flush_journal` writes it).
     pub fn answered(&self, seq: Option<u64>) {
         if let (Some(journal), Some(seq)) = (&self.journal, seq) {
             journal.answered(seq);
+        }
+    }
+
+    pub fn flush_journal(&self) {
+        if let Some(journal) = &self.journal {
+            journal.flush();
         }
     }
 

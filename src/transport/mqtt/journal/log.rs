@@ -71,6 +71,9 @@ pub struct Log {
     answered_keys: HashSet<Key>,
     answered_capacity: usize,
     next_seq: u64,
+    /// A write failed: nothing more is journaled until a restart reads
+    /// what is whole.
+    pub failing: bool,
 }
 
 impl Log {
@@ -115,6 +118,7 @@ impl Log {
             answered_keys: HashSet::new(),
             answered_capacity,
             next_seq: 1,
+            failing: false,
         };
         let mut requests: BTreeMap<u64, Request> = BTreeMap::new();
         for &no in &numbers {
@@ -245,6 +249,11 @@ impl Log {
         self.active_no += 1;
         self.segments.insert(self.active_no, Segment { bytes: 0, waiting: 0 });
         Ok(())
+    }
+
+    /// Whether records wait for `write`.
+    pub fn has_buffered(&self) -> bool {
+        !self.buffer.is_empty()
     }
 
     /// The files written since the last call: what a sync must cover.

@@ -5,16 +5,20 @@
 //! arrival order), and a request the node dies on is run again at the next
 //! start from the journal instead of from the broker.
 //!
-//! One thread owns the files (`log.rs`) and commits in groups: the
-//! requests that arrived while it was busy go in one `write`; their replies
-//! may go once it returns (a kill -9 keeps what the kernel has). A second
-//! thread syncs (`mqtt.journal.fsync`: a power cut keeps it), one sync for
-//! every request written in `mqtt.journal.commit_window_ms`, and only then
-//! may their acknowledgements go; the writer goes on meanwhile, so no reply
-//! waits for a sync.
-//! A request's final reply confirmed by the broker is recorded `Answered`;
-//! at a start, those without are run again. A re-delivery (DUP) of a
-//! request the journal holds or answered is acknowledged and not run.
+//! The request task that takes a request writes its record itself, under
+//! the journal's lock, with the answers recorded since the last write: one
+//! `write` call, no thread between the request and the disk (a hop to a
+//! writer thread and back cost the node a quarter of its saturated
+//! throughput on a 2-core gateway). Its reply may go once that returns (a
+//! kill -9 keeps what the kernel has). A sync thread syncs
+//! (`mqtt.journal.fsync`: a power cut keeps it), once for every request
+//! written in `mqtt.journal.commit_window_ms`, and only then may their
+//! acknowledgements go. The broker's confirmation of a reply is recorded
+//! `Answered` in memory and written by the MQTT loop once it has handled
+//! what the socket brought (`Journal::flush`), or with the next request.
+//! At a start the journaled requests without `Answered` run again. A
+//! re-delivery (DUP) of a request the journal holds or answered is
+//! acknowledged and not run.
 //!
 //! The share group's requests are not journaled: left unacknowledged
 //! until answered, they go to another member if this node dies.
@@ -27,9 +31,12 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
+use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::pin::Pin;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::oneshot;
 
@@ -119,7 +126,7 @@ pub struct JournalOptions {
     pub dir: PathBuf,
     pub max_bytes: u64,
     pub fsync: bool,
-    /// How long a batch stays open for more arrivals after its first.
+    /// How long the sync thread gathers requests written before one sync.
     pub commit_window: Duration,
     /// Keys of answered requests remembered to tell re-deliveries.
     pub answered_capacity: usize,
@@ -127,166 +134,177 @@ pub struct JournalOptions {
 
 /// The journal's answer to a request.
 pub enum Kept {
-    /// Journaled and written: its reply may go; `durable` resolves once it
-    /// is synced (its acknowledgement may go then), or fails if syncing did.
-    Journaled { seq: u64, durable: oneshot::Receiver<()> },
+    /// Journaled and written: its reply may go; `durable` says when it is
+    /// synced (its acknowledgement may go then).
+    Journaled { seq: u64, durable: Durable },
     /// A re-delivery of a request the journal holds or answered: acknowledge
     /// it and run nothing.
     Duplicate,
-    /// Not journaled (no room within `max_bytes`, the disk failed, or it
-    /// was slower than `KEEP_WAIT`): the request is acknowledged after its
-    /// reply, as without a journal.
+    /// Not journaled (no room within `max_bytes`, or the disk failed): the
+    /// request is acknowledged after its reply, as without a journal.
     NotKept,
 }
 
-enum Command {
-    Keep { request: Request, key: Key, redelivered: bool, reply: oneshot::Sender<Kept> },
-    Answered { seq: u64 },
+/// How long a request's acknowledgement waits for the journal's sync
+/// before it goes after its reply instead: a hung disk must not hold the
+/// requests on the node's own topic (their admission permits) for ever.
+const SYNC_WAIT: Duration = Duration::from_secs(2);
+
+/// Resolves `true` once the journal has synced a request, `false` if the
+/// sync failed or took longer than `SYNC_WAIT`.
+pub struct Durable {
+    synced: oneshot::Receiver<()>,
+    give_up: Pin<Box<tokio::time::Sleep>>,
 }
 
-/// How long a request waits for the journal to write it before it goes
-/// unjournaled (acknowledged after its reply): a hung disk must not stall
-/// the requests on the node's own topic.
-const KEEP_WAIT: Duration = Duration::from_secs(2);
+impl Durable {
+    fn new(synced: oneshot::Receiver<()>) -> Durable {
+        Durable { synced, give_up: Box::pin(tokio::time::sleep(SYNC_WAIT)) }
+    }
+}
 
-/// A handle to the journal's thread.
+impl Future for Durable {
+    type Output = bool;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<bool> {
+        if let Poll::Ready(synced) = Pin::new(&mut self.synced).poll(cx) {
+            return Poll::Ready(synced.is_ok());
+        }
+        if self.give_up.as_mut().poll(cx).is_ready() {
+            metrics::counter!(crate::telemetry::JOURNAL_NOT_KEPT, "reason" => "slow").increment(1);
+            return Poll::Ready(false);
+        }
+        Poll::Pending
+    }
+}
+
+/// A handle to the journal.
 #[derive(Clone)]
 pub struct Journal {
-    tx: std_mpsc::Sender<Command>,
+    shared: Arc<Shared>,
 }
 
-/// The journal's threads, to wait for once every `Journal` is dropped: the
-/// last answers are written and synced before the process exits.
-pub struct JournalThread(std::thread::JoinHandle<()>);
-
-impl JournalThread {
-    /// Waits for the threads to finish what was sent, up to `limit`.
-    pub fn finish(self, limit: Duration) {
-        let started = std::time::Instant::now();
-        while !self.0.is_finished() && started.elapsed() < limit {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if self.0.is_finished() {
-            let _ = self.0.join();
-        } else {
-            tracing::warn!(
-                "the request journal did not finish in {limit:?}; its last answers may be run again"
-            );
-        }
-    }
-}
-
-impl Journal {
-    /// Opens the journal and starts its threads; answers the requests a
-    /// previous run left waiting, oldest first, to be run again.
-    pub fn open(options: JournalOptions) -> Result<(Journal, Vec<Waiting>, JournalThread), JournalError> {
-        let (log, waiting) =
-            Log::open(&options.dir, options.max_bytes, options.fsync, options.answered_capacity)?;
-        metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
-        let (tx, rx) = std_mpsc::channel();
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
-                .map_err(|e| JournalError::io(&options.dir, e))
-        };
-        let syncer = match options.fsync {
-            true => {
-                let (sync_tx, sync_rx) = std_mpsc::channel();
-                Some((sync_tx, spawn("journal-sync", Box::new(move || sync_loop(sync_rx)))?))
-            }
-            false => None,
-        };
-        let window = options.commit_window;
-        let writer = spawn("journal", Box::new(move || commit_loop(log, rx, window, syncer)))?;
-        Ok((Journal { tx }, waiting, JournalThread(writer)))
-    }
-
-    /// Journals `publish` (a request on the node's own topic).
-    pub async fn keep(&self, publish: &Publish) -> Kept {
-        let (reply, kept) = oneshot::channel();
-        let request = Request::from_publish(publish);
-        let key = request.key();
-        if self.tx.send(Command::Keep { request, key, redelivered: publish.dup, reply }).is_err() {
-            return Kept::NotKept;
-        }
-        match tokio::time::timeout(KEEP_WAIT, kept).await {
-            Ok(kept) => kept.unwrap_or(Kept::NotKept),
-            // The journal records it answered when it gets to it (nobody
-            // waits for it any more), so it is never run again.
-            Err(_) => {
-                metrics::counter!(crate::telemetry::JOURNAL_NOT_KEPT, "reason" => "slow").increment(1);
-                Kept::NotKept
-            }
-        }
-    }
-
-    /// The broker confirmed request `seq`'s final reply (or it will never
-    /// get one): not to be run again.
-    pub fn answered(&self, seq: u64) {
-        let _ = self.tx.send(Command::Answered { seq });
-    }
+struct Shared {
+    log: Mutex<Log>,
+    /// To the sync thread.
+    to_sync: std_mpsc::Sender<SyncJob>,
 }
 
 /// Files written and the requests that wait for them to be synced.
 struct SyncJob {
     files: Vec<Arc<File>>,
-    durable: Vec<oneshot::Sender<()>>,
+    durable: Option<oneshot::Sender<()>>,
 }
 
-/// The writing thread: writes what has arrived in one call and answers
-/// (replies may go), goes on taking arrivals for `window` after the first
-/// of a group, then hands the group to the sync thread (or, without fsync,
-/// says it is durable); until every handle is gone.
-fn commit_loop(
-    mut log: Log,
-    rx: std_mpsc::Receiver<Command>,
-    window: Duration,
-    syncer: Option<(std_mpsc::Sender<SyncJob>, std::thread::JoinHandle<()>)>,
-) {
-    let mut failing = false;
-    while let Ok(first) = rx.recv() {
-        let closes = std::time::Instant::now() + window;
-        let mut durable = Vec::new();
-        let mut next = Some(first);
-        while let Some(first) = next.take() {
-            let batch = std::iter::once(first).chain(std::iter::from_fn(|| rx.try_recv().ok()));
-            write_batch(&mut log, batch, &mut failing, &mut durable);
-            let left = closes.saturating_duration_since(std::time::Instant::now());
-            if !left.is_zero() {
-                next = rx.recv_timeout(left).ok();
-            }
+/// The sync thread, to wait for once every `Journal` is dropped.
+pub struct JournalThread(Option<std::thread::JoinHandle<()>>);
+
+impl JournalThread {
+    /// Waits for the sync thread to finish what was sent, up to `limit`.
+    pub fn finish(self, limit: Duration) {
+        let Some(thread) = self.0 else { return };
+        let started = std::time::Instant::now();
+        while !thread.is_finished() && started.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if thread.is_finished() {
+            let _ = thread.join();
+        } else {
+            tracing::warn!("the request journal did not finish syncing in {limit:?}");
+        }
+    }
+}
+
+impl Journal {
+    /// Opens the journal and starts its sync thread; answers the requests
+    /// a previous run left waiting, oldest first, to be run again.
+    pub fn open(options: JournalOptions) -> Result<(Journal, Vec<Waiting>, JournalThread), JournalError> {
+        let (log, waiting) =
+            Log::open(&options.dir, options.max_bytes, options.fsync, options.answered_capacity)?;
+        metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
+        // Without fsync too: the thread then only gathers each window's
+        // requests, so their acknowledgements leave together (one write)
+        // rather than one by one ahead of their replies.
+        let (to_sync, rx) = std_mpsc::channel();
+        let (window, fsync) = (options.commit_window, options.fsync);
+        let thread = std::thread::Builder::new()
+            .name("journal-sync".into())
+            .spawn(move || sync_loop(rx, window, fsync))
+            .map_err(|e| JournalError::io(&options.dir, e))?;
+        let shared = Arc::new(Shared { log: Mutex::new(log), to_sync });
+        Ok((Journal { shared }, waiting, JournalThread(Some(thread))))
+    }
+
+    fn log(&self) -> std::sync::MutexGuard<'_, Log> {
+        self.shared.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Journals `publish` (a request on the node's own topic): written when
+    /// this returns, synced when its `durable` says so.
+    pub fn keep(&self, publish: &Publish) -> Kept {
+        let request = Request::from_publish(publish);
+        let key = request.key();
+        let mut log = self.log();
+        if publish.dup && log.knows(&key) {
+            metrics::counter!(crate::telemetry::JOURNAL_DUPLICATES).increment(1);
+            return Kept::Duplicate;
+        }
+        if log.failing {
+            return not_kept("error");
+        }
+        let Some(seq) = log.arrived(key, &request) else { return not_kept("full") };
+        if let Err(e) = log.write() {
+            // Nothing of this write was journaled (the log undid it), and
+            // nothing more is until a restart reads what is whole.
+            tracing::error!("{e}; requests are acknowledged after their reply until the node restarts");
+            log.failing = true;
+            return not_kept("error");
         }
         metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
-        // A group of answers alone is not synced: nothing waits for it,
-        // and the next group's sync covers it (a power cut before then
-        // costs a reply sent again, never a request lost). At low load
-        // this halves the syncs, and an SD card's writes.
-        if durable.is_empty() {
-            continue;
-        }
-        match &syncer {
-            Some((to_sync, _)) => {
-                let _ = to_sync.send(SyncJob { files: log.take_unsynced(), durable });
-            }
-            None => durable.into_iter().for_each(|tx| {
-                let _ = tx.send(());
-            }),
-        }
+        let (tx, rx) = oneshot::channel();
+        let files = log.take_unsynced();
+        drop(log);
+        let _ = self.shared.to_sync.send(SyncJob { files, durable: Some(tx) });
+        Kept::Journaled { seq, durable: Durable::new(rx) }
     }
-    if let Some((to_sync, thread)) = syncer {
-        let _ = to_sync.send(SyncJob { files: log.take_unsynced(), durable: Vec::new() });
-        drop(to_sync);
-        let _ = thread.join();
+
+    /// The broker confirmed request `seq`'s final reply (or it will never
+    /// get one): not to be run again. Written by the next `flush` or
+    /// `keep`.
+    pub fn answered(&self, seq: u64) {
+        self.log().answered(seq);
+    }
+
+    /// Writes the answers recorded since the last write.
+    pub fn flush(&self) {
+        let mut log = self.log();
+        if log.has_buffered()
+            && let Err(e) = log.write()
+        {
+            tracing::error!("{e}; its answers are tried again with the next write");
+        }
     }
 }
 
-/// The sync thread: one sync of each file for every group that queued
-/// while the last sync ran, then their acknowledgements may go. A failed
-/// sync leaves them to go after their replies (the records are written:
-/// a crash of the node keeps them; a power cut may not).
-fn sync_loop(rx: std_mpsc::Receiver<SyncJob>) {
+impl Drop for Shared {
+    /// The last answers, written and synced before the process exits.
+    fn drop(&mut self) {
+        let log = self.log.get_mut().unwrap_or_else(|e| e.into_inner());
+        let _ = log.write();
+        let _ = self.to_sync.send(SyncJob { files: log.take_unsynced(), durable: None });
+    }
+}
+
+/// The sync thread: gathers what is written for `window`, syncs each file
+/// once (with `fsync`), then the acknowledgements of every request in it
+/// may go. A failed sync leaves them to go after their replies (the
+/// records are written: a crash of the node keeps them; a power cut may
+/// not).
+fn sync_loop(rx: std_mpsc::Receiver<SyncJob>, window: Duration, fsync: bool) {
     while let Ok(job) = rx.recv() {
+        if !window.is_zero() {
+            std::thread::sleep(window);
+        }
         let mut jobs = vec![job];
         jobs.extend(rx.try_iter());
         // `FAILPOINTS=journal_sync=sleep(MS)`: a slow disk, for the tests.
@@ -297,8 +315,8 @@ fn sync_loop(rx: std_mpsc::Receiver<SyncJob>) {
                 files.push(file);
             }
         }
-        match files.iter().try_for_each(|f| f.sync_data()) {
-            Ok(()) => jobs.into_iter().flat_map(|j| j.durable).for_each(|tx| {
+        match files.iter().filter(|_| fsync).try_for_each(|f| f.sync_data()) {
+            Ok(()) => jobs.into_iter().filter_map(|j| j.durable).for_each(|tx| {
                 let _ = tx.send(());
             }),
             Err(e) => tracing::error!(
@@ -308,54 +326,9 @@ fn sync_loop(rx: std_mpsc::Receiver<SyncJob>) {
     }
 }
 
-/// Records `batch` with one write and answers each request in it; the
-/// journaled ones' `durable` senders go to `durable`.
-fn write_batch(
-    log: &mut Log,
-    batch: impl Iterator<Item = Command>,
-    failing: &mut bool,
-    durable: &mut Vec<oneshot::Sender<()>>,
-) {
-    let mut kept = Vec::new();
-    for command in batch {
-        match command {
-            Command::Answered { seq } => log.answered(seq),
-            Command::Keep { request, key, redelivered, reply } => {
-                if redelivered && log.knows(&key) {
-                    metrics::counter!(crate::telemetry::JOURNAL_DUPLICATES).increment(1);
-                    let _ = reply.send(Kept::Duplicate);
-                } else if *failing {
-                    not_kept(reply, "error");
-                } else {
-                    match log.arrived(key, &request) {
-                        Some(seq) => kept.push((seq, reply)),
-                        None => not_kept(reply, "full"),
-                    }
-                }
-            }
-        }
-    }
-    if let Err(e) = log.write() {
-        // Nothing of this batch was journaled (the log undid it), and
-        // nothing more is until a restart reads what is whole.
-        tracing::error!("{e}; requests are acknowledged after their reply until the node restarts");
-        *failing = true;
-        kept.drain(..).for_each(|(_, reply)| not_kept(reply, "error"));
-    }
-    for (seq, reply) in kept {
-        let (tx, rx) = oneshot::channel();
-        match reply.send(Kept::Journaled { seq, durable: rx }) {
-            Ok(()) => durable.push(tx),
-            // Its request stopped waiting (`KEEP_WAIT`) and goes on
-            // unjournaled: never to be run again.
-            Err(_) => log.answered(seq),
-        }
-    }
-}
-
-fn not_kept(reply: oneshot::Sender<Kept>, reason: &'static str) {
+fn not_kept(reason: &'static str) -> Kept {
     metrics::counter!(crate::telemetry::JOURNAL_NOT_KEPT, "reason" => reason).increment(1);
-    let _ = reply.send(Kept::NotKept);
+    Kept::NotKept
 }
 
 #[cfg(test)]
@@ -388,7 +361,7 @@ mod tests {
     async fn journaled(kept: Kept) -> u64 {
         match kept {
             Kept::Journaled { seq, durable } => {
-                durable.await.expect("synced");
+                assert!(durable.await, "synced");
                 seq
             }
             Kept::Duplicate => panic!("a duplicate"),
@@ -404,15 +377,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (journal, waiting, thread) = Journal::open(options(dir.path())).unwrap();
         assert!(waiting.is_empty());
-        let first = journaled(journal.keep(&publish(1, false)).await).await;
-        assert!(matches!(journal.keep(&publish(1, true)).await, Kept::Duplicate), "held: a re-delivery");
-        let again = journaled(journal.keep(&publish(1, false)).await).await;
+        let first = journaled(journal.keep(&publish(1, false))).await;
+        assert!(matches!(journal.keep(&publish(1, true)), Kept::Duplicate), "held: a re-delivery");
+        let again = journaled(journal.keep(&publish(1, false))).await;
         assert_ne!(first, again, "sent again by the device: a request of its own");
-        let other = journaled(journal.keep(&publish(2, false)).await).await;
+        let other = journaled(journal.keep(&publish(2, false))).await;
         journal.answered(first);
         journal.answered(again);
-        assert!(matches!(journal.keep(&publish(1, true)).await, Kept::Duplicate), "answered: a re-delivery");
-        let third = journaled(journal.keep(&publish(3, true)).await).await;
+        assert!(matches!(journal.keep(&publish(1, true)), Kept::Duplicate), "answered: a re-delivery");
+        let third = journaled(journal.keep(&publish(3, true))).await;
         drop(journal);
         thread.finish(Duration::from_secs(5));
         let (_journal, waiting, _thread) = Journal::open(options(dir.path())).unwrap();

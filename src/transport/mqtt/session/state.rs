@@ -581,6 +581,11 @@ impl Session {
         self.events.pop_front()
     }
 
+    /// Whether `poll_event` has more to give now.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// When `handle_timeout` next has something to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.timers.next()
