@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What the request journal (issue 36, `mqtt.journal`) costs, in one run
+# through one mosquitto (set_tcp_nodelay true): the broker's echo floor,
+# then the node with the journal off, on without fsync, and on with fsync
+# (the default), each saturated (4 x 32 in flight) and at one request in
+# flight, the cache off. The journal lives in a scratch directory on the
+# disk that holds $TMPDIR (a tmpfs there makes fsync free: point TMPDIR at
+# the card the node will run on). docs/BENCHMARKS.md.
+#
+#   benches/journal.sh [BINARY] [ROUNDS]   (default target/release/edgeinfer, 1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/edgeinfer}
+rounds=${2:-1}
+source benches/mosquitto.sh
+source benches/row.sh
+measure() { # NODE [bench flags]: sets $sat (4 x 32 in flight) and $low (1 in flight)
+  local node=$1
+  shift
+  sat=$("$bin" bench "$@" --url "$url" --node "$node" --connections 4 -C 32 --duration 8 --json)
+  low=$("$bin" bench "$@" --url "$url" --node "$node" --connections 1 -C 1 --duration 5 --json)
+}
+echo "journal directory on: $(df --output=source,fstype "${TMPDIR:-/tmp}" | tail -n 1)"
+echo "| setup | 4 x 32 in flight | 1 in flight | errors |"
+echo "| --- | --- | --- | --- |"
+for round in $(seq "$rounds"); do
+  measure echo --echo
+  row "broker echo floor" "$sat" "$low"
+  for setup in "off 0 true" "on-no-fsync 67108864 false" "on-fsync 67108864 true"; do
+    read -r name bytes fsync <<<"$setup"
+    EDGEINFER_NODE__ID=jn EDGEINFER_NODE__STATE_DIR="$work/state-$name-$round" EDGEINFER_MQTT__URL=$url \
+      EDGEINFER_HTTP__LISTEN= EDGEINFER_CACHE__ENABLED=false EDGEINFER_LOG=warn \
+      EDGEINFER_MQTT__JOURNAL__MAX_BYTES=$bytes EDGEINFER_MQTT__JOURNAL__FSYNC=$fsync \
+      "$bin" serve --models-dir models 2>"$work/node.log" &
+    node=$!
+    sleep 2
+    measure jn
+    kill -TERM $node && wait $node || true
+    row "node, journal $name" "$sat" "$low"
+  done
+done
