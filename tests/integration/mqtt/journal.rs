@@ -19,13 +19,20 @@ fn request(id: &str, rows: usize) -> Vec<u8> {
 }
 
 /// The replies by correlation data until `want` ids have one (or
-/// `timeout`), then `quiet` more of listening for repeats.
+/// `timeout`), then `quiet` more of listening for repeats. None may be an
+/// error reply (`overloaded` above all: a full journal must not cause one).
 async fn replies(
     client: &mut Client,
     want: usize,
     timeout: Duration,
     quiet: Duration,
 ) -> BTreeMap<String, usize> {
+    fn count(got: &mut BTreeMap<String, usize>, p: rumqttc::v5::mqttbytes::v5::Publish) {
+        let id = String::from_utf8(p.properties.unwrap().correlation_data.unwrap().to_vec()).unwrap();
+        let reply: serde_json::Value = serde_json::from_slice(&p.payload).unwrap();
+        assert!(reply["parameters"]["code"].is_null(), "{id}: {reply}");
+        *got.entry(id).or_default() += 1;
+    }
     let mut got = BTreeMap::new();
     let deadline = Instant::now() + timeout;
     while got.len() < want {
@@ -33,12 +40,10 @@ async fn replies(
         let Some(p) = client.next(left).await else {
             panic!("{} of {want} requests answered in {timeout:?}: {got:?}", got.len())
         };
-        let id = String::from_utf8(p.properties.unwrap().correlation_data.unwrap().to_vec()).unwrap();
-        *got.entry(id).or_default() += 1;
+        count(&mut got, p);
     }
     while let Some(p) = client.next(quiet).await {
-        let id = String::from_utf8(p.properties.unwrap().correlation_data.unwrap().to_vec()).unwrap();
-        *got.entry(id).or_default() += 1;
+        count(&mut got, p);
     }
     got
 }
@@ -144,7 +149,8 @@ async fn requests_journaled_and_not_yet_acknowledged_at_a_kill_9_are_answered_on
 
 /// A full journal drops nothing: past `mqtt.journal.max_bytes` requests are
 /// acknowledged after their reply, as without a journal (so the broker's
-/// window slows the flow), and every one is answered once.
+/// window slows the flow), and every one is answered once, none
+/// `overloaded`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_journal_acknowledges_after_the_reply_and_loses_nothing() {
     let Some(broker) = Mosquitto::start() else { return };
