@@ -71,7 +71,9 @@ pub enum Command {
     ///
     /// Closed loop by default: every connection keeps --concurrency requests in
     /// flight. With --rate, open loop: Poisson arrivals at that total rate,
-    /// latency counted from each request's intended send time. With --echo, a
+    /// latency counted from each request's intended send time, and a request
+    /// sent in the measured interval counted whenever its reply comes (up to
+    /// 10 s after). With --echo, a
     /// trivial responder on the same broker answers instead of a node: the
     /// broker's own floor, measured with the same client.
     Bench(bench::BenchArgs),
