@@ -15,12 +15,6 @@ cd "$(dirname "$0")/.."
 bin=${1:-target/release/edgeinfer}
 source benches/mosquitto.sh
 source benches/row.sh
-measure() { # NODE [bench flags]: sets $sat (4 x 32 in flight) and $low (1 in flight)
-  local node=$1
-  shift
-  sat=$("$bin" bench "$@" --url "$url" --node "$node" --connections 4 -C 32 --duration 8 --json)
-  low=$("$bin" bench "$@" --url "$url" --node "$node" --connections 1 -C 1 --duration 5 --json)
-}
 echo "| setup | 4 x 32 in flight | 1 in flight | errors |"
 echo "| --- | --- | --- | --- |"
 measure echo --echo

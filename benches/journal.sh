@@ -14,12 +14,6 @@ bin=${1:-target/release/edgeinfer}
 rounds=${2:-1}
 source benches/mosquitto.sh
 source benches/row.sh
-measure() { # NODE [bench flags]: sets $sat (4 x 32 in flight) and $low (1 in flight)
-  local node=$1
-  shift
-  sat=$("$bin" bench "$@" --url "$url" --node "$node" --connections 4 -C 32 --duration 8 --json)
-  low=$("$bin" bench "$@" --url "$url" --node "$node" --connections 1 -C 1 --duration 5 --json)
-}
 echo "journal directory on: $(df --output=source,fstype "${TMPDIR:-/tmp}" | tail -n 1)"
 echo "| setup | 4 x 32 in flight | 1 in flight | errors |"
 echo "| --- | --- | --- | --- |"

@@ -1,6 +1,13 @@
 # Sourced by the scripts in benches/ that print one table row per setup
 # from two `edgeinfer bench --json` reports: saturated (4 x 32 in flight)
-# and at one request in flight.
+# and at one request in flight. `measure` takes the pair with $bin against
+# the broker at $url (benches/mosquitto.sh).
+measure() { # NODE [bench flags]: sets $sat (4 x 32 in flight) and $low (1 in flight)
+  local node=$1
+  shift
+  sat=$("$bin" bench "$@" --url "$url" --node "$node" --connections 4 -C 32 --duration 8 --json)
+  low=$("$bin" bench "$@" --url "$url" --node "$node" --connections 1 -C 1 --duration 5 --json)
+}
 row() { # name saturated-json low-json
   python3 - "$@" <<'PY'
 import json, sys

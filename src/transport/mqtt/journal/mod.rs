@@ -25,6 +25,7 @@
 
 mod log;
 
+use crate::telemetry::unix_now_ms;
 use log::Log;
 pub use log::Waiting;
 use rumqttc::v5::mqttbytes::QoS;
@@ -85,14 +86,14 @@ impl Request {
             content_type: props.content_type,
             expiry_s: props.message_expiry_interval,
             user_properties: props.user_properties,
-            received_unix_ms: unix_ms(),
+            received_unix_ms: unix_now_ms(),
         }
     }
 
     /// The request as it arrived, its expiry shortened by the time since
     /// (zero once it passed: the engine answers `deadline_exceeded`).
     pub fn to_publish(&self) -> Publish {
-        let elapsed_s = unix_ms().saturating_sub(self.received_unix_ms).div_ceil(1000);
+        let elapsed_s = unix_now_ms().saturating_sub(self.received_unix_ms).div_ceil(1000);
         let props = PublishProperties {
             response_topic: self.response_topic.clone(),
             correlation_data: self.correlation.clone().map(Into::into),
@@ -114,10 +115,6 @@ impl Request {
         (&self.topic, &self.response_topic, &self.correlation, &self.payload).hash(&mut hasher);
         hasher.finish()
     }
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// `[mqtt.journal]`.
