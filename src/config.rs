@@ -110,6 +110,17 @@ pub struct MqttConfig {
     /// `devices/cam-3/replies`); empty: any topic except `$` topics and
     /// those under `topic_prefix`, which are always refused.
     pub reply_prefixes: Vec<String>,
+    /// The QoS of replies and follow-ups, 1 or 2. With 2 and the journal
+    /// on, each reply to a journaled request is journaled with its packet
+    /// id before it goes and sent again under it after a crash, so the
+    /// broker (which keeps the session) delivers it to the device exactly
+    /// once even across a kill -9; with 1 a reply whose confirmation the
+    /// node did not record before a crash goes again (at least once).
+    /// QoS 2 costs a round trip to the broker before it delivers a reply.
+    /// QoS 2 needs the journal (without it replies go at QoS 1), and the
+    /// share group's replies go at QoS 1 (their requests are not
+    /// journaled: unanswered, they go to another member).
+    pub reply_qos: u8,
     /// The request journal: requests on the node's own topic are
     /// acknowledged once journaled, and run again after a crash.
     pub journal: JournalConfig,
@@ -526,6 +537,7 @@ impl Default for MqttConfig {
             client_key_file: None,
             max_in_flight: 512,
             reply_prefixes: Vec::new(),
+            reply_qos: 2,
             journal: JournalConfig::default(),
         }
     }
@@ -1112,6 +1124,15 @@ impl Config {
                 format!(
                     "{}: use 0 (off) or at least 1048576 (1 MiB: the index's own files take about 100 KiB)",
                     self.cache.disk_bytes
+                ),
+            );
+        }
+        if !matches!(self.mqtt.reply_qos, 1 | 2) {
+            bad(
+                "mqtt.reply_qos",
+                format!(
+                    "{}: use 1 (at least once) or 2 (exactly once to the broker, across a crash with the journal)",
+                    self.mqtt.reply_qos
                 ),
             );
         }

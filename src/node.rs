@@ -91,6 +91,21 @@ impl Node {
         telemetry::describe_models(None, &registry);
         let cache = Cache::open(CacheOptions::from_config(&config));
         let mut engine = Engine::try_new(Arc::new(registry), EngineOptions::from_config(&config), cache)?;
+        // The journal first: the spool must not send again a follow-up the
+        // journal holds as sent.
+        let mut journal = None;
+        let mut journal_thread = None;
+        let mut follow_ups_sent = Default::default();
+        if let Some(options) = journal_options(&config) {
+            match Journal::open(options) {
+                Ok((opened, mut recovered, thread)) => {
+                    follow_ups_sent = std::mem::take(&mut recovered.follow_ups_sent);
+                    journal = Some((opened, recovered));
+                    journal_thread = Some(thread);
+                }
+                Err(e) => tracing::error!("{e}; requests are acknowledged after their reply"),
+            }
+        }
         let (follow_ups, follow_ups_rx) = mpsc::channel(spool::FOLLOW_UP_QUEUE);
         let (settled, settled_rx) = mpsc::channel(spool::FOLLOW_UP_QUEUE);
         let mut spool_task = None;
@@ -105,7 +120,8 @@ impl Node {
                     max_age: Duration::from_secs(config.cloud.spool_max_age_s),
                 };
                 let spool = match spool::open(&dir, limits, settled) {
-                    Ok((spool, task)) => {
+                    Ok((spool, mut task)) => {
+                        task.drop_sent(&follow_ups_sent);
                         spool_task = Some((cloud.clone(), task));
                         Some(spool)
                     }
@@ -144,15 +160,8 @@ impl Node {
         let status = Status::new(&config.node.id, &engine.registry(), unix_now());
         let (service, mqtt_ready) = MqttService::new(engine.clone(), &config, status)?;
         let mut service = service.with_follow_ups(follow_ups_rx).with_events(decisions);
-        let mut journal_thread = None;
-        if let Some(options) = journal_options(&config) {
-            match Journal::open(options) {
-                Ok((journal, replay, thread)) => {
-                    service = service.with_journal(journal, replay);
-                    journal_thread = Some(thread);
-                }
-                Err(e) => tracing::error!("{e}; requests are acknowledged after their reply"),
-            }
+        if let Some((journal, recovered)) = journal {
+            service = service.with_journal(journal, recovered.requests, recovered.replies);
         }
         if let Some(auth) = control {
             service = service.with_control(auth);

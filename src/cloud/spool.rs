@@ -512,6 +512,23 @@ impl SpoolTask {
         let _ = self.settled.try_send(Settled { entry, cloud, delivery, after });
     }
 
+    /// Drops the entries whose final reply the request journal holds as
+    /// sent (it sends them again itself): the node stopped before the
+    /// spool heard the journal had them. Called before `run`.
+    pub fn drop_sent(&mut self, sent: &HashSet<Vec<u8>>) {
+        let mut dropped = 0;
+        for key in sent {
+            if let Ok(Some(value)) = self.tree.get(key) {
+                self.remove(key, value.len());
+                dropped += 1;
+            }
+        }
+        if dropped > 0 {
+            let _ = self.db.flush();
+            tracing::info!("cloud spool: {dropped} escalations the request journal sends again itself");
+        }
+    }
+
     /// A final reply reached the broker: the entry is done. Or it did not
     /// (the node is stopping, the session was lost with it): it is sent
     /// again, after a pause.

@@ -43,6 +43,11 @@ impl Delivery {
         Delivery { key: Vec::new(), to: None }
     }
 
+    /// The owner's key for it (the spool's entry).
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
     /// The broker has it (or refused it for good, which is logged and
     /// counted where it is seen): the owner may forget it.
     pub fn confirm(mut self) {

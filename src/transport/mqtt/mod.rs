@@ -20,7 +20,9 @@ mod topics;
 
 pub use ask::{AskError, ControlAsk, ask};
 pub use control::ControlAuth;
-pub use options::{BrokerAddress, OptionsError, client_options, credentials, session_options, tls_for};
+pub use options::{
+    BrokerAddress, OptionsError, client_options, credentials, reply_qos, session_options, tls_for,
+};
 pub use signed::{ControlCommand, ControlKey, KeyError, MIN_KEY_BYTES, SCHEME};
 pub use site::SiteLink;
 pub use topics::{ReplyRefusal, Topics, valid_reply_topic};
@@ -31,7 +33,7 @@ use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, fi
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
 use acks::{AckSlot, Finished};
-use journal::{Durable, Journal, Kept, Waiting};
+use journal::{Durable, InFlight, Journal, Kept, Waiting};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
@@ -74,6 +76,11 @@ pub struct MqttService {
     /// in it unanswered.
     journal: Option<Journal>,
     replay: Vec<Waiting>,
+    /// Replies the journal holds `Sent` and unconfirmed from a previous
+    /// run: sent again under their packet ids.
+    resend: Vec<InFlight>,
+    /// `mqtt.reply_qos`.
+    reply_qos: QoS,
 }
 
 impl MqttService {
@@ -121,6 +128,8 @@ impl MqttService {
                 share: Some(share),
                 journal: None,
                 replay: Vec::new(),
+                resend: Vec::new(),
+                reply_qos: reply_qos(mqtt),
             },
             ready_rx,
         ))
@@ -142,9 +151,14 @@ impl MqttService {
     /// Journals the requests on the node's own topic in `journal` and
     /// acknowledges them once it has them; runs `replay` (what an earlier
     /// run left unanswered) again first.
-    pub fn with_journal(mut self, journal: Journal, replay: Vec<Waiting>) -> MqttService {
+    pub fn with_journal(
+        mut self,
+        journal: Journal,
+        replay: Vec<Waiting>,
+        resend: Vec<InFlight>,
+    ) -> MqttService {
         self.journal = Some(journal);
-        self.replay = replay;
+        (self.replay, self.resend) = (replay, resend);
         self
     }
 
@@ -171,11 +185,30 @@ impl MqttService {
     /// persistent session, so the broker redelivers them. Connection errors
     /// never end it: it reconnects with exponential backoff and jitter.
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) {
+        if self.journal.is_none() && self.reply_qos == QoS::ExactlyOnce {
+            // Without the journal's record of their packet ids, QoS 2 would
+            // promise nothing more across a crash, and a new process could
+            // send under an id the broker still holds for the old one.
+            tracing::warn!(
+                "mqtt.reply_qos = 2 needs the request journal (mqtt.journal); replies go at QoS 1"
+            );
+            self.reply_qos = QoS::AtLeastOnce;
+        }
         let mut follow_ups = self.follow_ups.take();
         let mut events = self.events.take();
-        let session = Session::new(self.options.clone());
+        let mut session = Session::new(self.options.clone());
+        let mut outbox = Outbox::with_journal(self.journal.clone());
+        let resend = std::mem::take(&mut self.resend);
+        if !resend.is_empty() {
+            tracing::info!(
+                "sending {} journaled replies again under their packet ids (the node stopped before the \
+                 broker confirmed them)",
+                resend.len()
+            );
+            outbox.restore(&mut session, resend);
+        }
         let link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
-        let mut conn = Connection { link, outbox: Outbox::with_journal(self.journal.clone()) };
+        let mut conn = Connection { link, outbox };
         let admission = Admission {
             requests: Arc::new(Semaphore::new(self.max_in_flight)),
             bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
@@ -203,6 +236,7 @@ impl MqttService {
         let outbox_held = metrics::gauge!(crate::telemetry::MQTT_OUTBOX);
         loop {
             self.heartbeat.beat();
+            conn.flush_journal();
             unacknowledged.set(conn.link.session().awaiting_acknowledgement() as f64);
             outbox_held.set(conn.outbox.len() as f64);
             if !conn.link.is_open() {
@@ -240,7 +274,7 @@ impl MqttService {
                         ..Default::default()
                     };
                     let publish =
-                        Publish::new(follow_up.route.topic, QoS::AtLeastOnce, follow_up.payload, Some(props));
+                        Publish::new(follow_up.route.topic, self.reply_qos, follow_up.payload, Some(props));
                     conn.publish(publish, Note::FollowUp(follow_up.delivery));
                     continue;
                 }
@@ -331,6 +365,7 @@ impl MqttService {
                         engine: self.engine.clone(),
                         topics: self.topics.clone(),
                         max_reply: conn.outbox.max_packet(),
+                        reply_qos: self.reply_qos,
                         journal: self.journal.clone(),
                         replayed: None,
                     };
@@ -364,6 +399,7 @@ impl MqttService {
         let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, offline, None);
         publish.retain = true;
         conn.publish(publish, Note::Status);
+        conn.flush_journal();
         // Its last words, and a clean DISCONNECT (no will over them), in 2 s at most.
         if conn.link.is_open() {
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.link.flush()).await;
@@ -398,6 +434,7 @@ impl MqttService {
                 engine: self.engine.clone(),
                 topics: self.topics.clone(),
                 max_reply: max_reply.clone(),
+                reply_qos: self.reply_qos,
                 journal: None,
                 replayed: Some(waiting.seq),
             };
@@ -448,6 +485,7 @@ impl MqttService {
             while let Ok(done) = finished.try_recv() {
                 conn.finished(done);
             }
+            conn.flush_journal();
             if tasks.is_empty() && conn.outbox.len() == 0 {
                 break;
             }
@@ -598,13 +636,19 @@ struct Connection {
 }
 
 impl Connection {
-    /// The session's word on our publishes; once it has told all it read,
-    /// the answers this recorded are written to the journal, one write for
-    /// what the socket brought.
+    /// The session's word on our publishes.
     fn settled(&mut self, event: &Event) {
         self.outbox.settled(event);
+    }
+
+    /// What the outbox recorded in the journal is written before the
+    /// driver writes what it is about: called before each turn of the
+    /// driver. Not while the session has events for the loop (the driver
+    /// hands those over before it writes): one write for what the socket
+    /// brought.
+    fn flush_journal(&mut self) {
         if !self.link.session().has_events() {
-            self.outbox.flush_journal();
+            self.outbox.flush_journal(self.link.session());
         }
     }
 
@@ -618,7 +662,6 @@ impl Connection {
         if done.reply.is_none() && done.journaled.is_some() {
             // Dropped, with nowhere to reply: nothing more to do for it.
             self.outbox.answered(done.journaled);
-            self.outbox.flush_journal();
         }
         let reply = done.reply.and_then(|Reply { publish, id }| {
             let note = Note::Reply { id, first: done.first, journaled: done.journaled };
@@ -691,6 +734,8 @@ struct RequestTask {
     engine: Arc<Engine>,
     topics: Topics,
     max_reply: Arc<AtomicUsize>,
+    /// `mqtt.reply_qos`.
+    reply_qos: QoS,
     /// Journals the request before it runs (the node's own topic only).
     journal: Option<Journal>,
     /// The journal's seq of a request run again at a start.
@@ -812,7 +857,7 @@ impl RequestTask {
             content_type: props.content_type.clone(),
             ..Default::default()
         };
-        let mut publish = Publish::new(destination, QoS::AtLeastOnce, reply.payload, Some(reply_props));
+        let mut publish = Publish::new(destination, self.reply_qos, reply.payload, Some(reply_props));
         let max = self.max_reply.load(Ordering::Relaxed);
         if publish.size() > max {
             // Sent as it is, it would fail the write and drop the connection.

@@ -146,6 +146,14 @@ pub fn session_options(
 }
 
 /// The TLS config of a `mqtts://` broker URL, `None` for `mqtt://`.
+/// `mqtt.reply_qos` (checked to be 1 or 2 when the config loads).
+pub fn reply_qos(config: &MqttConfig) -> rumqttc::v5::mqttbytes::QoS {
+    match config.reply_qos {
+        1 => rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+        _ => rumqttc::v5::mqttbytes::QoS::ExactlyOnce,
+    }
+}
+
 pub fn tls_for(config: &MqttConfig) -> Result<Option<Arc<rustls::ClientConfig>>, OptionsError> {
     Ok(match BrokerAddress::parse(&config.url)?.tls {
         true => Some(Arc::new(tls_config(config)?)),

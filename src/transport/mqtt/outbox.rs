@@ -7,11 +7,21 @@
 //! request id and counted. Only what the loop holds can be here (replies
 //! of the requests in flight, a bounded number of follow-ups, the status
 //! and the rollout events).
+//!
+//! With a journal and `mqtt.reply_qos = 2`, every QoS 2 publish (a reply,
+//! a follow-up) is recorded `Sent` under its packet id when taken, and its
+//! PUBREL waits for the record of the PUBREC: `flush_journal` writes both
+//! before the loop lets the driver write (a follow-up's spool entry is let
+//! go then: the journal sends it again after a crash). Every one, not only
+//! the replies to journaled requests: a QoS 2 id the broker holds and a
+//! new process does not know would count against the broker's Receive
+//! Maximum for ever, and a new publish under it would be taken for the old.
 
-use super::journal::Journal;
+use super::journal::{InFlight, Journal, SentReply};
 use super::session::{Event, Session};
 use crate::protocol::Delivery;
 use crate::telemetry;
+use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::Publish;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +47,8 @@ pub enum Note {
         journaled: Option<u64>,
     },
     FollowUp(Delivery),
+    /// A follow-up the journal holds (its spool entry is let go).
+    JournaledFollowUp,
     /// The retained status.
     Status,
     /// A rollout decision on the events topic: each one goes out.
@@ -51,11 +63,27 @@ pub struct Outbox {
     /// into `too_large`.
     max_packet: Arc<AtomicUsize>,
     journal: Option<Journal>,
+    /// The journal's seq of each publish recorded `Sent`, by packet id.
+    sent: HashMap<u16, u64>,
+    /// Held publishes whose PUBREL may go once the journal is written.
+    releasing: Vec<u16>,
+    /// Follow-ups whose spool entry may go once their `Sent` is written.
+    confirming: Vec<u16>,
+    /// Something was recorded since the last `flush_journal`.
+    dirty: bool,
 }
 
 impl Default for Outbox {
     fn default() -> Outbox {
-        Outbox { notes: HashMap::new(), max_packet: Arc::new(AtomicUsize::new(usize::MAX)), journal: None }
+        Outbox {
+            notes: HashMap::new(),
+            max_packet: Arc::new(AtomicUsize::new(usize::MAX)),
+            journal: None,
+            sent: HashMap::new(),
+            releasing: Vec::new(),
+            confirming: Vec::new(),
+            dirty: false,
+        }
     }
 }
 
@@ -65,28 +93,85 @@ impl Outbox {
         Outbox { journal, ..Outbox::default() }
     }
 
-    /// The request `seq` needs no more from the node (recorded in memory;
-    /// `flush_journal` writes it).
-    pub fn answered(&self, seq: Option<u64>) {
+    /// The request (or reply) `seq` needs no more from the node (recorded
+    /// in memory; `flush_journal` writes it).
+    pub fn answered(&mut self, seq: Option<u64>) {
         if let (Some(journal), Some(seq)) = (&self.journal, seq) {
             journal.answered(seq);
+            self.dirty = true;
         }
     }
 
-    pub fn flush_journal(&self) {
-        if let Some(journal) = &self.journal {
-            journal.flush();
+    /// Writes what was recorded since the last call, then lets go what
+    /// waited for it: PUBRELs, and the spool entries of follow-ups the
+    /// journal now holds. The loop calls it before the driver writes.
+    pub fn flush_journal(&mut self, session: &mut Session) {
+        let Some(journal) = self.journal.as_ref().filter(|_| std::mem::take(&mut self.dirty)) else { return };
+        let written = journal.flush();
+        for pkid in self.releasing.drain(..) {
+            session.release(pkid);
+        }
+        for pkid in self.confirming.drain(..) {
+            // Not written: the entry stays until the broker has the reply.
+            let Some(note) = self.notes.get_mut(&pkid).filter(|_| written) else { continue };
+            if let Note::FollowUp(delivery) = std::mem::replace(note, Note::JournaledFollowUp) {
+                delivery.confirm();
+            }
+        }
+    }
+
+    /// Replies a previous run journaled `Sent` and never saw confirmed:
+    /// back in the session under their packet ids, before it connects.
+    pub fn restore(&mut self, session: &mut Session, replies: Vec<InFlight>) {
+        for InFlight { seq, reply, released } in replies {
+            let pkid = reply.pkid;
+            let note = match reply.spool_key {
+                Some(_) => Note::JournaledFollowUp,
+                None => Note::Reply { id: "(sent before the restart)".into(), first: None, journaled: None },
+            };
+            session.restore(reply.to_publish(), released);
+            self.notes.insert(pkid, note);
+            self.sent.insert(pkid, seq);
         }
     }
 
     /// Hands `publish` to the session (it goes now, or when connected);
     /// answers its packet id (none for QoS 0, or for one refused here).
+    /// A QoS 2 publish is recorded `Sent` first (with a journal).
     pub fn publish(&mut self, session: &mut Session, publish: Publish, mut note: Note) -> Option<u16> {
-        match session.publish(publish) {
+        let record = self.journal.clone().filter(|_| publish.qos == QoS::ExactlyOnce);
+        let (request, spool_key) = match &note {
+            Note::Reply { journaled, .. } => (*journaled, None),
+            Note::FollowUp(delivery) => (None, Some(delivery.key().to_vec())),
+            _ => (None, None),
+        };
+        let mut kept = None;
+        let taken = match &record {
+            Some(_) => {
+                kept = Some(publish.clone());
+                session.publish_held(publish)
+            }
+            None => session.publish(publish),
+        };
+        match taken {
             Ok(0) => None,
             Ok(pkid) => {
                 if let Note::Reply { first, .. } = &mut note {
                     drop(first.take());
+                }
+                if let (Some(journal), Some(publish)) = (record, kept) {
+                    let reply = SentReply::new(&Publish { pkid, ..publish }, request, spool_key);
+                    match journal.sent(&reply) {
+                        Some(seq) => {
+                            self.sent.insert(pkid, seq);
+                            if let Note::FollowUp(_) = note {
+                                self.confirming.push(pkid);
+                            }
+                        }
+                        // Failing: it goes as a plain QoS 2 publish.
+                        None => self.releasing.push(pkid),
+                    }
+                    self.dirty = true;
                 }
                 self.notes.insert(pkid, note);
                 Some(pkid)
@@ -102,14 +187,29 @@ impl Outbox {
     /// The session's word on one of our publishes.
     pub fn settled(&mut self, event: &Event) {
         match event {
-            Event::Delivered { pkid } => match self.notes.remove(pkid) {
-                Some(Note::FollowUp(delivery)) => delivery.confirm(),
-                Some(Note::Reply { journaled, .. }) => self.answered(journaled),
-                _ => {}
-            },
+            Event::Received { pkid } => {
+                if let (Some(journal), Some(seq)) = (&self.journal, self.sent.get(pkid)) {
+                    journal.released(*seq);
+                }
+                self.releasing.push(*pkid);
+                self.dirty = true;
+            }
+            Event::Delivered { pkid } => {
+                let sent = self.sent.remove(pkid);
+                match self.notes.remove(pkid) {
+                    Some(Note::FollowUp(delivery)) => {
+                        delivery.confirm();
+                        self.answered(sent);
+                    }
+                    Some(Note::Reply { journaled, .. }) => self.answered(sent.or(journaled)),
+                    Some(Note::JournaledFollowUp) => self.answered(sent),
+                    _ => {}
+                }
+            }
             Event::Refused { pkid, reason } => {
+                let sent = self.sent.remove(pkid);
                 if let Some(note) = self.notes.remove(pkid) {
-                    self.answered(journaled(&note));
+                    self.answered(sent.or(journaled(&note)));
                     refused(note, "broker", &format!("the broker refused it (reason {reason:#04x})"));
                 }
             }
@@ -158,6 +258,7 @@ fn refused(note: Note, reason: &'static str, why: &str) {
             tracing::error!("a final (follow-up) reply was not delivered: {why}");
             delivery.confirm();
         }
+        Note::JournaledFollowUp => tracing::error!("a final (follow-up) reply was not delivered: {why}"),
         Note::Status => tracing::warn!("the status message was not delivered: {why}"),
         Note::Event => tracing::warn!("a rollout event was not delivered: {why}"),
     }
@@ -167,7 +268,6 @@ fn refused(note: Note, reason: &'static str, why: &str) {
 mod tests {
     use super::*;
     use crate::transport::mqtt::session::Options;
-    use rumqttc::v5::mqttbytes::QoS;
     use tokio::sync::mpsc;
 
     fn reply(n: u8) -> Publish {

@@ -337,6 +337,10 @@ impl Line {
             engine: self.engine.clone(),
             topics: topics.clone(),
             max_reply: self.max_reply.clone(),
+            // QoS 1 whatever `mqtt.reply_qos` says: this connection has no
+            // journal to keep QoS 2 ids across a crash (its requests are
+            // not journaled either: unanswered, they go to another member).
+            reply_qos: QoS::AtLeastOnce,
             // Unjournaled: unacknowledged until answered, a request goes to
             // another member of the group if this node dies.
             journal: None,

@@ -7,6 +7,7 @@ mod cascade;
 mod control;
 mod doctor;
 mod embedded;
+mod exactly_once;
 #[cfg(feature = "failpoints")]
 mod faults;
 mod http_access;

@@ -190,6 +190,24 @@ impl Mosquitto {
     pub fn url(&self) -> String {
         format!("mqtt://127.0.0.1:{}", self.port)
     }
+
+    /// With persistence on in `dir`, as sites run it: a broker stopped
+    /// with `stop` and started again on the same `dir` keeps its sessions
+    /// and the messages in flight.
+    pub fn start_persistent(port: u16, dir: &std::path::Path) -> Option<Mosquitto> {
+        // Started as root, mosquitto writes as its own user.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let extra = format!("persistence true\npersistence_location {}/\n", dir.display());
+        Self::start_with(port, &extra, |_| {})
+    }
+
+    /// Stops the broker as a service manager would (SIGTERM: it saves its
+    /// persistence file first).
+    pub fn stop(&mut self) {
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for Mosquitto {
@@ -343,6 +361,11 @@ impl Client {
     /// `subscriptions` one at a time, each waited for; a refused one
     /// brings nothing.
     pub async fn connect_with(options: MqttOptions, subscriptions: &[&str]) -> Client {
+        Client::connect_with_qos(options, subscriptions, QoS::AtLeastOnce).await
+    }
+
+    /// `connect_with`, subscribing at `qos`.
+    pub async fn connect_with_qos(options: MqttOptions, subscriptions: &[&str], qos: QoS) -> Client {
         let (client, mut eventloop) = AsyncClient::new(options, 4096);
         let (tx, inbox) = mpsc::unbounded_channel();
         let (subscribed_tx, mut subscribed) = mpsc::unbounded_channel();
@@ -361,7 +384,7 @@ impl Client {
             }
         });
         for topic in subscriptions {
-            client.subscribe(*topic, QoS::AtLeastOnce).await.unwrap();
+            client.subscribe(*topic, qos).await.unwrap();
             tokio::time::timeout(Duration::from_secs(10), subscribed.recv()).await.expect("SUBACK").unwrap();
         }
         Client { client, inbox }

@@ -1,6 +1,12 @@
 //! The journal's files: numbered append-only files of checksummed records in
 //! `node.state_dir/journal`. A request is `Arrived` (with what it takes to
 //! run it again) and later `Answered`, in the same file or a newer one.
+//! With `mqtt.reply_qos = 2` its reply is `Sent` instead (with its packet
+//! id, before it is written to the broker; the request needs no `Answered`
+//! then), `Released` once the broker's PUBREC is heard (before the PUBREL
+//! goes) and `Answered` at PUBCOMP: at a start, a reply `Sent` and not
+//! `Answered` goes again under its packet id, as a PUBLISH or, `Released`,
+//! as a PUBREL, so the broker, which keeps the session, delivers it once.
 //! Files go oldest first, once none of their requests is waiting for an
 //! answer (a newer file may hold the answers to an older one's requests,
 //! so one is never removed before those older) and two newer files hold
@@ -13,7 +19,7 @@
 //! corrupt record ends what is read of its file: it was being written when
 //! the node died, and nothing after it was acknowledged.
 
-use super::{JournalError, Key, Request};
+use super::{JournalError, Key, Request, SentReply};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -22,6 +28,8 @@ use std::sync::Arc;
 
 const ARRIVED: u8 = 1;
 const ANSWERED: u8 = 2;
+const SENT: u8 = 3;
+const RELEASED: u8 = 4;
 /// Length, checksum, kind and seq.
 const HEADER: u64 = 4 + 4 + 1 + 8;
 /// An `Answered` record, reserved for every request waiting for one, so a
@@ -37,6 +45,24 @@ pub struct Waiting {
     pub request: Request,
 }
 
+/// A reply `Sent` and not confirmed when the node stopped.
+pub struct InFlight {
+    pub seq: u64,
+    pub reply: SentReply,
+    /// The broker's PUBREC was heard: only the PUBREL is owed.
+    pub released: bool,
+}
+
+/// What a previous run left: requests to run again and replies to send
+/// again, oldest first, and the spool keys of every follow-up the files
+/// hold as `Sent` (the spool may not have heard before the node stopped).
+#[derive(Default)]
+pub struct Recovered {
+    pub requests: Vec<Waiting>,
+    pub replies: Vec<InFlight>,
+    pub follow_ups_sent: HashSet<Vec<u8>>,
+}
+
 struct Segment {
     bytes: u64,
     /// Its requests still waiting for an answer.
@@ -45,7 +71,8 @@ struct Segment {
 
 struct Entry {
     segment: u64,
-    key: Key,
+    /// A request's (a reply `Sent` has none).
+    key: Option<Key>,
 }
 
 pub struct Log {
@@ -63,6 +90,9 @@ pub struct Log {
     buffer: Vec<u8>,
     buffered_arrivals: Vec<u64>,
     buffered_answers: Vec<u64>,
+    buffered_sent: Vec<u64>,
+    buffered_released: Vec<u64>,
+    /// Requests waiting for an answer, and replies `Sent` waiting for PUBCOMP.
     waiting: HashMap<u64, Entry>,
     /// The keys of `waiting`, counted (a device may send the same request twice).
     waiting_keys: HashMap<Key, u32>,
@@ -84,7 +114,7 @@ impl Log {
         max_bytes: u64,
         fsync: bool,
         answered_capacity: usize,
-    ) -> Result<(Log, Vec<Waiting>), JournalError> {
+    ) -> Result<(Log, Recovered), JournalError> {
         std::fs::create_dir_all(dir).map_err(|e| JournalError::io(dir, e))?;
         let mut numbers = Vec::new();
         for entry in std::fs::read_dir(dir).map_err(|e| JournalError::io(dir, e))? {
@@ -112,6 +142,8 @@ impl Log {
             buffer: Vec::new(),
             buffered_arrivals: Vec::new(),
             buffered_answers: Vec::new(),
+            buffered_sent: Vec::new(),
+            buffered_released: Vec::new(),
             waiting: HashMap::new(),
             waiting_keys: HashMap::new(),
             answered: VecDeque::new(),
@@ -121,6 +153,8 @@ impl Log {
             failing: false,
         };
         let mut requests: BTreeMap<u64, Request> = BTreeMap::new();
+        let mut replies: BTreeMap<u64, InFlight> = BTreeMap::new();
+        let mut follow_ups_sent = HashSet::new();
         for &no in &numbers {
             let path = log.path(no);
             let mut bytes = Vec::new();
@@ -141,14 +175,27 @@ impl Log {
                 match kind {
                     ARRIVED => {
                         let Ok(request) = postcard::from_bytes::<Request>(body) else { continue };
-                        let key = request.key();
-                        log.waiting.insert(seq, Entry { segment: no, key });
-                        *log.waiting_keys.entry(key).or_default() += 1;
-                        log.segments.get_mut(&no).expect("inserted above").waiting += 1;
+                        log.wait(seq, no, Some(request.key()));
                         requests.insert(seq, request);
+                    }
+                    SENT => {
+                        let Ok(reply) = postcard::from_bytes::<SentReply>(body) else { continue };
+                        if let Some(request) = reply.request {
+                            requests.remove(&request);
+                            log.settle(request);
+                        }
+                        follow_ups_sent.extend(reply.spool_key.clone());
+                        log.wait(seq, no, None);
+                        replies.insert(seq, InFlight { seq, reply, released: false });
+                    }
+                    RELEASED => {
+                        if let Some(reply) = replies.get_mut(&seq) {
+                            reply.released = true;
+                        }
                     }
                     ANSWERED => {
                         requests.remove(&seq);
+                        replies.remove(&seq);
                         log.settle(seq);
                     }
                     _ => {}
@@ -157,8 +204,23 @@ impl Log {
         }
         log.segments.insert(active_no, Segment { bytes: 0, waiting: 0 });
         log.drop_settled_segments();
-        let waiting = requests.into_iter().map(|(seq, request)| Waiting { seq, request }).collect();
-        Ok((log, waiting))
+        let recovered = Recovered {
+            requests: requests.into_iter().map(|(seq, request)| Waiting { seq, request }).collect(),
+            replies: replies.into_values().collect(),
+            follow_ups_sent,
+        };
+        Ok((log, recovered))
+    }
+
+    /// `seq` waits (for an answer, or its reply for PUBCOMP) in `segment`.
+    fn wait(&mut self, seq: u64, segment: u64, key: Option<Key>) {
+        self.waiting.insert(seq, Entry { segment, key });
+        if let Some(key) = key {
+            *self.waiting_keys.entry(key).or_default() += 1;
+        }
+        if let Some(segment) = self.segments.get_mut(&segment) {
+            segment.waiting += 1;
+        }
     }
 
     /// `Arrived` for `request`, encoded; written by `write`. `None` if it
@@ -174,10 +236,33 @@ impl Log {
         self.next_seq += 1;
         encode(&mut self.buffer, ARRIVED, seq, &body);
         self.buffered_arrivals.push(seq);
-        self.waiting.insert(seq, Entry { segment: self.active_no, key });
-        *self.waiting_keys.entry(key).or_default() += 1;
-        self.segments.get_mut(&self.active_no).expect("the active segment").waiting += 1;
+        self.wait(seq, self.active_no, Some(key));
         Some(seq)
+    }
+
+    /// `Sent` for `reply`, encoded; written by `write`. Its request (if
+    /// journaled) is answered by it. Outside the bound: a reply in flight
+    /// is bounded by the session's window, and refusing to record it would
+    /// only answer its request twice after a crash.
+    pub fn sent(&mut self, reply: &SentReply) -> u64 {
+        let body = postcard::to_allocvec(reply).expect("a reply is plain data");
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        encode(&mut self.buffer, SENT, seq, &body);
+        self.buffered_sent.push(seq);
+        if let Some(request) = reply.request {
+            self.settle(request);
+        }
+        self.wait(seq, self.active_no, None);
+        seq
+    }
+
+    /// `Released` for the reply `Sent` as `seq`, encoded; written by `write`.
+    pub fn released(&mut self, seq: u64) {
+        if self.waiting.contains_key(&seq) {
+            encode(&mut self.buffer, RELEASED, seq, &[]);
+            self.buffered_released.push(seq);
+        }
     }
 
     /// `Answered` for `seq`, encoded; written by `write`.
@@ -205,7 +290,7 @@ impl Log {
             return Ok(());
         }
         let path = self.path(self.active_no);
-        if let Err(e) = write_all(&self.active, &self.buffer) {
+        if let Err(e) = write_all(&self.active, &path, &self.buffer) {
             self.undo_write();
             return Err(JournalError::io(&path, e));
         }
@@ -213,6 +298,8 @@ impl Log {
         self.buffer.clear();
         self.buffered_arrivals.clear();
         self.buffered_answers.clear();
+        self.buffered_sent.clear();
+        self.buffered_released.clear();
         if !self.unsynced.iter().any(|f| Arc::ptr_eq(f, &self.active)) {
             self.unsynced.push(self.active.clone());
         }
@@ -227,20 +314,27 @@ impl Log {
     }
 
     /// A write failed: the file back to its last whole record (else a new
-    /// file, so nothing lands after a torn one), the arrivals forgotten,
-    /// the answers encoded again.
+    /// file, so nothing lands after a torn one), the arrivals and replies
+    /// sent forgotten, the answers and releases encoded again.
     fn undo_write(&mut self) {
         let whole = self.segments[&self.active_no].bytes;
         if self.active.set_len(whole).is_err() {
             let _ = self.next_file();
         }
         self.buffer.clear();
-        for seq in std::mem::take(&mut self.buffered_arrivals) {
+        let forgotten = std::mem::take(&mut self.buffered_arrivals);
+        for seq in forgotten.into_iter().chain(std::mem::take(&mut self.buffered_sent)) {
             self.forget(seq);
         }
         for seq in std::mem::take(&mut self.buffered_answers) {
             encode(&mut self.buffer, ANSWERED, seq, &[]);
             self.buffered_answers.push(seq);
+        }
+        for seq in std::mem::take(&mut self.buffered_released) {
+            if self.waiting.contains_key(&seq) {
+                encode(&mut self.buffer, RELEASED, seq, &[]);
+                self.buffered_released.push(seq);
+            }
         }
     }
 
@@ -278,10 +372,12 @@ impl Log {
     }
 
     fn unwait(&mut self, entry: &Entry) {
-        if let Some(count) = self.waiting_keys.get_mut(&entry.key) {
+        if let Some(key) = entry.key
+            && let Some(count) = self.waiting_keys.get_mut(&key)
+        {
             *count -= 1;
             if *count == 0 {
-                self.waiting_keys.remove(&entry.key);
+                self.waiting_keys.remove(&key);
             }
         }
         if let Some(segment) = self.segments.get_mut(&entry.segment) {
@@ -292,8 +388,10 @@ impl Log {
     fn settle(&mut self, seq: u64) {
         let Some(entry) = self.waiting.remove(&seq) else { return };
         self.unwait(&entry);
-        if self.answered_keys.insert(entry.key) {
-            self.answered.push_back(entry.key);
+        if let Some(key) = entry.key
+            && self.answered_keys.insert(key)
+        {
+            self.answered.push_back(key);
         }
         while self.answered.len() > self.answered_capacity {
             let old = self.answered.pop_front().expect("non-empty");
@@ -330,9 +428,20 @@ impl Log {
     }
 }
 
-/// `FAILPOINTS=journal_write=return`: a failing disk, for the tests.
-fn write_all(mut file: &File, bytes: &[u8]) -> std::io::Result<()> {
-    fail::fail_point!("journal_write", |_| Err(std::io::Error::other("fail point")));
+/// `FAILPOINTS=journal_write=return`: a failing disk, for the tests;
+/// `return(DIR)` fails only the journal in DIR (unit tests run side by
+/// side in one process).
+fn write_all(
+    mut file: &File,
+    #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))] path: &Path,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    fail::fail_point!("journal_write", |dir: Option<String>| {
+        match dir.is_none_or(|dir| path.starts_with(dir)) {
+            true => Err(std::io::Error::other("fail point")),
+            false => file.write_all(bytes),
+        }
+    });
     file.write_all(bytes)
 }
 
@@ -401,7 +510,8 @@ mod tests {
     }
 
     fn open(dir: &Path, max: u64) -> (Log, Vec<Waiting>) {
-        Log::open(dir, max, true, 16).unwrap()
+        let (log, recovered) = Log::open(dir, max, true, 16).unwrap();
+        (log, recovered.requests)
     }
 
     /// Whatever the node wrote before it stopped comes back waiting unless
@@ -434,6 +544,51 @@ mod tests {
         );
         assert!(!log.knows(&request(9).key()));
         assert!(log.next_seq > seqs[4], "a seq is never given twice");
+    }
+
+    fn reply(request: Option<u64>, pkid: u16, spool_key: Option<&[u8]>) -> SentReply {
+        SentReply {
+            request,
+            pkid,
+            spool_key: spool_key.map(<[u8]>::to_vec),
+            topic: format!("dev/{pkid}/replies"),
+            payload: vec![pkid as u8; 20],
+            correlation: Some(vec![1, 2]),
+            ..SentReply::default()
+        }
+    }
+
+    /// Issue 36, QoS 2 replies: a reply `Sent` answers its request (not
+    /// run again, and its re-delivery is known); at a start every reply
+    /// `Sent` and not `Answered` comes back in order with its packet id,
+    /// `Released` where the PUBREC was recorded; the spool keys of the
+    /// follow-ups the files hold come back whatever became of them.
+    #[test]
+    fn replies_sent_and_not_confirmed_come_back_with_their_packet_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut log, _) = open(dir.path(), 1 << 20);
+        let answered_by_reply = log.arrived(request(1).key(), &request(1)).unwrap();
+        let unanswered = log.arrived(request(2).key(), &request(2)).unwrap();
+        let a = log.sent(&reply(Some(answered_by_reply), 11, None));
+        let b = log.sent(&reply(None, 12, Some(b"follow-up-b")));
+        let c = log.sent(&reply(None, 13, Some(b"follow-up-c")));
+        log.released(a);
+        log.released(c);
+        log.answered(c);
+        log.write().unwrap();
+        assert!(log.knows(&request(1).key()), "answered by its reply: a re-delivery is known");
+        drop(log);
+        let (log, recovered) = Log::open(dir.path(), 1 << 20, true, 16).unwrap();
+        let requests: Vec<u64> = recovered.requests.iter().map(|w| w.seq).collect();
+        assert_eq!(requests, vec![unanswered], "the request its reply answered does not run again");
+        let replies: Vec<(u64, u16, bool)> =
+            recovered.replies.iter().map(|r| (r.seq, r.reply.pkid, r.released)).collect();
+        assert_eq!(replies, vec![(a, 11, true), (b, 12, false)]);
+        assert_eq!(recovered.replies[0].reply, reply(Some(answered_by_reply), 11, None), "as it was sent");
+        let keys: HashSet<Vec<u8>> = [b"follow-up-b".to_vec(), b"follow-up-c".to_vec()].into();
+        assert_eq!(recovered.follow_ups_sent, keys);
+        assert!(log.knows(&request(1).key()) && log.knows(&request(2).key()));
+        assert_eq!(log.waiting(), 3, "the unanswered request and the two replies in flight");
     }
 
     /// The bound holds with a place for every answer owed; answering makes
@@ -551,7 +706,7 @@ mod tests {
         let before = log.bytes();
         log.answered(answered_later);
         let lost = log.arrived(request(2).key(), &request(2)).unwrap();
-        fail::cfg("journal_write", "return").unwrap();
+        fail::cfg("journal_write", &format!("return({})", dir.path().display())).unwrap();
         let failed = log.write();
         fail::remove("journal_write");
         assert!(failed.is_err());

@@ -20,6 +20,16 @@
 //! re-delivery (DUP) of a request the journal holds or answered is
 //! acknowledged and not run.
 //!
+//! With `mqtt.reply_qos = 2` the journal keeps the replies too: the MQTT
+//! loop records each reply (and follow-up) `Sent` with its packet id
+//! before the write that carries it (`Journal::sent`, one write for all a
+//! wakeup sends), `Released` before its PUBREL, `Answered` at PUBCOMP. A
+//! start sends each reply not `Answered` again under its packet id
+//! (`Recovered::replies`), so a kill -9 between a reply and the record of
+//! its confirmation no longer answers twice. These records are written
+//! before the packets go (a crash keeps them) and synced after (a power
+//! cut in that moment may still send one twice).
+//!
 //! The share group's requests are not journaled: left unacknowledged
 //! until answered, they go to another member if this node dies.
 
@@ -27,7 +37,7 @@ mod log;
 
 use crate::telemetry::unix_now_ms;
 use log::Log;
-pub use log::Waiting;
+pub use log::{InFlight, Recovered, Waiting};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use serde::{Deserialize, Serialize};
@@ -114,6 +124,53 @@ impl Request {
         let mut hasher = std::hash::DefaultHasher::new();
         (&self.topic, &self.response_topic, &self.correlation, &self.payload).hash(&mut hasher);
         hasher.finish()
+    }
+}
+
+/// A reply (or follow-up) published QoS 2 and journaled before it went:
+/// what it takes to send it again under the same packet id.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SentReply {
+    /// The journaled request it answers: answered by this record.
+    pub request: Option<u64>,
+    pub pkid: u16,
+    /// A follow-up's entry in the cloud spool: the spool may still hold it
+    /// after a crash, and must not send it again.
+    pub spool_key: Option<Vec<u8>>,
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub correlation: Option<Vec<u8>>,
+    pub content_type: Option<String>,
+    pub user_properties: Vec<(String, String)>,
+}
+
+impl SentReply {
+    pub fn new(publish: &Publish, request: Option<u64>, spool_key: Option<Vec<u8>>) -> SentReply {
+        let props = publish.properties.as_ref();
+        SentReply {
+            request,
+            pkid: publish.pkid,
+            spool_key,
+            topic: String::from_utf8_lossy(&publish.topic).into_owned(),
+            payload: publish.payload.to_vec(),
+            correlation: props.and_then(|p| p.correlation_data.as_ref()).map(|c| c.to_vec()),
+            content_type: props.and_then(|p| p.content_type.clone()),
+            user_properties: props.map(|p| p.user_properties.clone()).unwrap_or_default(),
+        }
+    }
+
+    /// The publish as it went, with its packet id.
+    pub fn to_publish(&self) -> Publish {
+        let props = PublishProperties {
+            correlation_data: self.correlation.clone().map(Into::into),
+            content_type: self.content_type.clone(),
+            user_properties: self.user_properties.clone(),
+            ..Default::default()
+        };
+        let mut publish =
+            Publish::new(self.topic.clone(), QoS::ExactlyOnce, self.payload.clone(), Some(props));
+        publish.pkid = self.pkid;
+        publish
     }
 }
 
@@ -213,10 +270,10 @@ impl JournalThread {
 }
 
 impl Journal {
-    /// Opens the journal and starts its sync thread; answers the requests
-    /// a previous run left waiting, oldest first, to be run again.
-    pub fn open(options: JournalOptions) -> Result<(Journal, Vec<Waiting>, JournalThread), JournalError> {
-        let (log, waiting) =
+    /// Opens the journal and starts its sync thread; answers what a
+    /// previous run left: requests to run again, replies to send again.
+    pub fn open(options: JournalOptions) -> Result<(Journal, Recovered, JournalThread), JournalError> {
+        let (log, recovered) =
             Log::open(&options.dir, options.max_bytes, options.fsync, options.answered_capacity)?;
         metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
         // Without fsync too: the thread then only gathers each window's
@@ -229,7 +286,7 @@ impl Journal {
             .spawn(move || sync_loop(rx, window, fsync))
             .map_err(|e| JournalError::io(&options.dir, e))?;
         let shared = Arc::new(Shared { log: Mutex::new(log), to_sync });
-        Ok((Journal { shared }, waiting, JournalThread(Some(thread))))
+        Ok((Journal { shared }, recovered, JournalThread(Some(thread))))
     }
 
     fn log(&self) -> std::sync::MutexGuard<'_, Log> {
@@ -272,14 +329,36 @@ impl Journal {
         self.log().answered(seq);
     }
 
-    /// Writes the answers recorded since the last write.
-    pub fn flush(&self) {
+    /// Records `reply` `Sent` (written by the next `flush` or `keep`);
+    /// answers its seq, or `None` when the journal is failing.
+    pub fn sent(&self, reply: &SentReply) -> Option<u64> {
         let mut log = self.log();
-        if log.has_buffered()
-            && let Err(e) = log.write()
-        {
-            tracing::error!("{e}; its answers are tried again with the next write");
+        (!log.failing).then(|| log.sent(reply))
+    }
+
+    /// The broker's PUBREC of the reply `Sent` as `seq`: recorded, written
+    /// by the next `flush`, and only then may its PUBREL go.
+    pub fn released(&self, seq: u64) {
+        self.log().released(seq);
+    }
+
+    /// Writes what was recorded since the last write (answers, replies
+    /// sent, releases); the sync thread syncs it soon after. `false` if
+    /// the write failed (what it held is tried again with the next write,
+    /// but for the replies sent, which go unjournaled).
+    pub fn flush(&self) -> bool {
+        let mut log = self.log();
+        if !log.has_buffered() {
+            return true;
         }
+        if let Err(e) = log.write() {
+            tracing::error!("{e}; its answers are tried again with the next write");
+            return false;
+        }
+        let files = log.take_unsynced();
+        drop(log);
+        let _ = self.shared.to_sync.send(SyncJob { files, durable: None });
+        true
     }
 }
 
@@ -372,8 +451,8 @@ mod tests {
     #[tokio::test]
     async fn a_redelivery_is_a_duplicate_a_new_copy_is_not_and_the_unanswered_come_back() {
         let dir = tempfile::tempdir().unwrap();
-        let (journal, waiting, thread) = Journal::open(options(dir.path())).unwrap();
-        assert!(waiting.is_empty());
+        let (journal, recovered, thread) = Journal::open(options(dir.path())).unwrap();
+        assert!(recovered.requests.is_empty());
         let first = journaled(journal.keep(&publish(1, false))).await;
         assert!(matches!(journal.keep(&publish(1, true)), Kept::Duplicate), "held: a re-delivery");
         let again = journaled(journal.keep(&publish(1, false))).await;
@@ -385,7 +464,8 @@ mod tests {
         let third = journaled(journal.keep(&publish(3, true))).await;
         drop(journal);
         thread.finish(Duration::from_secs(5));
-        let (_journal, waiting, _thread) = Journal::open(options(dir.path())).unwrap();
+        let (_journal, recovered, _thread) = Journal::open(options(dir.path())).unwrap();
+        let waiting = recovered.requests;
         let back: Vec<u64> = waiting.iter().map(|w| w.seq).collect();
         assert_eq!(back, vec![other, third]);
         let replayed = waiting[0].request.to_publish();

@@ -31,6 +31,10 @@ pub struct Outgoing {
     /// Written once already, on this connection or an earlier one: a
     /// re-send is marked DUP.
     pub written: bool,
+    /// QoS 2 held for a journal: its PUBREL waits for `Session::release`
+    /// (the journal must record the PUBREC first, or a restart would send
+    /// the PUBLISH again after the broker let its id go).
+    pub hold_release: bool,
 }
 
 /// Our QoS 1 and 2 publishes, in the order they were handed over.
@@ -65,12 +69,13 @@ impl OutgoingTable {
     }
 
     /// Takes a publish whose packet id came from `free_pkid` (or was kept
-    /// from before a restart): it waits its turn.
-    pub fn insert(&mut self, publish: Publish, written: bool) {
+    /// from before a restart, at `stage`): it waits its turn.
+    pub fn insert(&mut self, publish: Publish, stage: Stage, written: bool, hold_release: bool) {
         let order = self.next_order;
         self.next_order += 1;
         self.order_of.insert(publish.pkid, order);
-        self.by_order.insert(order, Outgoing { publish, stage: Stage::Waiting, holds_quota: false, written });
+        let outgoing = Outgoing { publish, stage, holds_quota: false, written, hold_release };
+        self.by_order.insert(order, outgoing);
     }
 
     pub fn get(&self, pkid: u16) -> Option<&Outgoing> {

@@ -77,6 +77,11 @@ pub enum Event {
         arrival: Option<Arrival>,
         publish: Box<Publish>,
     },
+    /// The broker has our QoS 2 publish held for a journal (PUBREC): its
+    /// PUBREL goes once the owner calls `Session::release`.
+    Received {
+        pkid: u16,
+    },
     /// The broker has our publish: PUBACK (QoS 1) or PUBCOMP (QoS 2), or
     /// the broker lost our session after it had taken it (PUBREC heard).
     Delivered {

@@ -362,6 +362,9 @@ impl Session {
             return self.confirm(rec.pkid, QoS::ExactlyOnce, code);
         }
         entry.stage = Stage::ReleaseWaiting;
+        if entry.hold_release {
+            self.events.push_back(Event::Received { pkid: rec.pkid });
+        }
         self.schedule();
     }
 
@@ -411,6 +414,7 @@ impl Session {
                     entry.stage = Stage::Sent;
                     self.tx.push_back(Packet::Publish(publish));
                 }
+                Stage::ReleaseWaiting if entry.hold_release => {}
                 Stage::ReleaseWaiting => {
                     entry.stage = Stage::Released;
                     self.tx.push_back(Packet::PubRel(PubRel::new(entry.publish.pkid, None)));
@@ -425,7 +429,36 @@ impl Session {
     /// Takes a publish to the broker. QoS 1 and 2 get their packet id now
     /// (answered) and go when the broker's quota allows, on this
     /// connection or the next; QoS 0 goes only on this one.
-    pub fn publish(&mut self, mut publish: Publish) -> Result<u16, PublishError> {
+    pub fn publish(&mut self, publish: Publish) -> Result<u16, PublishError> {
+        self.take_publish(publish, false)
+    }
+
+    /// `publish` for a QoS 2 publish a journal keeps: its PUBREC is
+    /// reported (`Event::Received`) and its PUBREL waits for `release`.
+    pub fn publish_held(&mut self, publish: Publish) -> Result<u16, PublishError> {
+        self.take_publish(publish, true)
+    }
+
+    /// The journal recorded the PUBREC of our publish `pkid` (or will not):
+    /// its PUBREL may go.
+    pub fn release(&mut self, pkid: u16) {
+        if let Some(entry) = self.outgoing.get_mut(pkid) {
+            entry.hold_release = false;
+            self.schedule();
+        }
+    }
+
+    /// A publish of ours a journal kept from before a restart, with its
+    /// packet id: it goes again (DUP) on the first connection and its
+    /// PUBREC is reported as for `publish_held`, or its PUBREL goes once
+    /// the broker had it (`released`). Called before the first `connect`,
+    /// oldest first.
+    pub fn restore(&mut self, publish: Publish, released: bool) {
+        let stage = if released { Stage::ReleaseWaiting } else { Stage::Waiting };
+        self.outgoing.insert(publish, stage, true, !released);
+    }
+
+    fn take_publish(&mut self, mut publish: Publish, hold_release: bool) -> Result<u16, PublishError> {
         publish.dup = false;
         // We allow the broker no aliases, and use none.
         if let Some(properties) = publish.properties.as_mut() {
@@ -449,7 +482,8 @@ impl Session {
         }
         let pkid = self.outgoing.free_pkid().ok_or(PublishError::NoPacketId)?;
         publish.pkid = pkid;
-        self.outgoing.insert(publish, false);
+        let hold_release = hold_release && publish.qos == QoS::ExactlyOnce;
+        self.outgoing.insert(publish, Stage::Waiting, false, hold_release);
         self.schedule();
         Ok(pkid)
     }

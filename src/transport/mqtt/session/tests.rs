@@ -215,6 +215,57 @@ fn a_resumed_session_sends_unconfirmed_publishes_again_in_order_marked_dup_under
     assert!(fresh.iter().all(|p| matches!(p, Packet::Publish(p) if !p.dup)) && fresh.len() == 2, "{fresh:?}");
 }
 
+/// Issue 36, exactly one reply across a kill -9: a QoS 2 publish a journal
+/// keeps reports its PUBREC and holds its PUBREL until released (the
+/// journal records the PUBREC first); a new process restores what the
+/// journal kept under the same ids, a PUBLISH marked DUP or a PUBREL, and
+/// gives new publishes other ids.
+#[test]
+fn a_held_publish_waits_for_its_release_and_a_restored_one_goes_again_under_its_id() {
+    let (mut s, now) = up(None);
+    let held = s.publish_held(publish("r", QoS::ExactlyOnce, "held")).unwrap();
+    let plain = s.publish(publish("r", QoS::ExactlyOnce, "plain")).unwrap();
+    assert_eq!(written(&mut s, now).len(), 2);
+    feed(&mut s, now, &[Packet::PubRec(PubRec::new(held, None)), Packet::PubRec(PubRec::new(plain, None))]);
+    assert_eq!(events(&mut s), vec![Event::Received { pkid: held }], "only the held one is reported");
+    assert_eq!(written(&mut s, now), vec![Packet::PubRel(PubRel::new(plain, None))], "the held PUBREL waits");
+    s.release(held);
+    assert_eq!(written(&mut s, now), vec![Packet::PubRel(PubRel::new(held, None))]);
+    feed(&mut s, now, &[Packet::PubComp(PubComp::new(held, None))]);
+    assert_eq!(events(&mut s), vec![Event::Delivered { pkid: held }]);
+
+    // A new process (the node's sessions never start clean): what the
+    // journal kept, restored before connecting.
+    let mut fresh = Session::new(Options { clean_start: false, ..options() });
+    let mut sent = publish("r", QoS::ExactlyOnce, "sent");
+    sent.pkid = 700;
+    let mut released = publish("r", QoS::ExactlyOnce, "released");
+    released.pkid = 701;
+    fresh.restore(sent, false);
+    fresh.restore(released, true);
+    fresh.connect(now);
+    written(&mut fresh, now);
+    feed(&mut fresh, now, &[connack(true, None)]);
+    assert_eq!(events(&mut fresh), vec![Event::Connected { session_present: true }]);
+    let new = fresh.publish(publish("r", QoS::ExactlyOnce, "new")).unwrap();
+    assert!(new != 700 && new != 701, "a restored id is not given again: {new}");
+    let shape: Vec<(u16, bool, &'static str)> = written(&mut fresh, now)
+        .iter()
+        .map(|p| match p {
+            Packet::Publish(p) => (p.pkid, p.dup, "publish"),
+            Packet::PubRel(r) => (r.pkid, false, "pubrel"),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(shape, vec![(700, true, "publish"), (701, false, "pubrel"), (new, false, "publish")]);
+    // A PUBCOMP 0x92 to the PUBREL (the broker completed it before the
+    // crash) settles it all the same.
+    let mut comp = PubComp::new(701, None);
+    comp.reason = PubCompReason::PacketIdentifierNotFound;
+    feed(&mut fresh, now, &[Packet::PubComp(comp)]);
+    assert_eq!(events(&mut fresh), vec![Event::Delivered { pkid: 701 }]);
+}
+
 #[test]
 fn a_publish_sent_again_while_held_is_not_handed_over_twice_and_an_unwritten_puback_is_owed() {
     let (mut s, now) = up(None);
@@ -426,8 +477,11 @@ struct Broker {
     receive_max: u16,
     /// The session's publishes it holds unacknowledged, in arrival order.
     unacked_in: VecDeque<(u16, QoS)>,
-    /// QoS 2 ids it PUBREC'd, awaiting PUBREL.
+    /// QoS 2 ids it holds from their PUBLISH until PUBREL.
     recd_in: HashSet<u16>,
+    /// Of those, the ones sent on this connection: the Receive Maximum
+    /// counts afresh on each connection [MQTT-4.9].
+    recd_here: HashSet<u16>,
     /// Payloads it received (a QoS 2 re-send under a PUBREC'd id is not).
     received: Vec<Bytes>,
     /// Its publishes to the session, in the order sent, awaiting PUBACK or PUBREC.
@@ -451,17 +505,28 @@ impl Broker {
     fn take(&mut self, packet: Packet) -> Result<(), String> {
         match packet {
             Packet::Publish(p) if p.qos != QoS::AtMostOnce => {
-                if self.unacked_in.iter().any(|(id, _)| *id == p.pkid) {
+                if self.unacked_in.iter().any(|(id, _)| *id == p.pkid) && !self.recd_in.contains(&p.pkid) {
                     if !p.dup {
                         return Err(format!("packet id {} reused while in flight", p.pkid));
                     }
                     return Ok(());
                 }
                 if p.qos == QoS::ExactlyOnce && self.recd_in.contains(&p.pkid) {
-                    self.pending.push(Packet::PubRec(PubRec::new(p.pkid, None)));
+                    if !p.dup {
+                        return Err(format!("packet id {} reused before its PUBREL", p.pkid));
+                    }
+                    // Held since it arrived (until PUBREL), whether or not
+                    // its PUBREC got out: a re-send is the same message.
+                    self.count_here(p.pkid)?;
+                    if !self.unacked_in.iter().any(|(id, _)| *id == p.pkid) {
+                        self.unacked_in.push_back((p.pkid, p.qos));
+                    }
                     return Ok(());
                 }
-                if self.unacked_in.len() + self.recd_in.len() >= self.receive_max as usize {
+                if p.qos == QoS::ExactlyOnce {
+                    self.count_here(p.pkid)?;
+                    self.recd_in.insert(p.pkid);
+                } else if self.in_flight_here() >= self.receive_max as usize {
                     return Err("the session exceeded the broker's Receive Maximum".into());
                 }
                 self.received.push(p.payload.clone());
@@ -469,6 +534,7 @@ impl Broker {
             }
             Packet::PubRel(r) => {
                 self.recd_in.remove(&r.pkid);
+                self.recd_here.remove(&r.pkid);
                 self.pending.push(Packet::PubComp(PubComp::new(r.pkid, None)));
             }
             Packet::PubAck(a) => self.acked(a.pkid, QoS::AtLeastOnce)?,
@@ -483,6 +549,21 @@ impl Broker {
             Packet::PingReq(_) => self.pending.push(Packet::PingResp(PingResp)),
             _ => {}
         }
+        Ok(())
+    }
+
+    /// The session's publishes this connection carries unacknowledged.
+    fn in_flight_here(&self) -> usize {
+        self.unacked_in.iter().filter(|(_, q)| *q == QoS::AtLeastOnce).count() + self.recd_here.len()
+    }
+
+    /// A QoS 2 publish on this connection, new or sent again: within the
+    /// Receive Maximum.
+    fn count_here(&mut self, pkid: u16) -> Result<(), String> {
+        if !self.recd_here.contains(&pkid) && self.in_flight_here() >= self.receive_max as usize {
+            return Err("the session exceeded the broker's Receive Maximum".into());
+        }
+        self.recd_here.insert(pkid);
         Ok(())
     }
 
@@ -525,6 +606,7 @@ impl Broker {
     /// The session reconnected: resume (send again, in order, DUP) or forget.
     fn resume(&mut self, session_present: bool) -> Vec<Packet> {
         self.pending.clear();
+        self.recd_here.clear();
         if !session_present {
             self.forgotten.extend(self.out.values().map(|(_, _, b)| b.clone()));
             self.out.clear();
@@ -551,7 +633,16 @@ impl Broker {
 
 #[derive(Debug, Clone)]
 enum Op {
+    /// QoS 1, or QoS 2: a node with a journal journals every QoS 2 publish
+    /// of its own connection (a reply, a follow-up) and holds its PUBREL.
     AppPublish(bool),
+    /// The journal is written: the PUBRELs it held may go.
+    JournalWritten,
+    /// The process dies (kill -9), losing the last n packets on the wire,
+    /// and a new one starts from the journal; the broker kept the session.
+    Restart {
+        lost: usize,
+    },
     BrokerPublish(bool),
     /// The application takes the n-th arrival it holds.
     AppTakes(usize),
@@ -568,6 +659,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => any::<bool>().prop_map(Op::AppPublish),
+        2 => Just(Op::JournalWritten),
+        1 => (0usize..4).prop_map(|lost| Op::Restart { lost }),
         3 => any::<bool>().prop_map(Op::BrokerPublish),
         3 => (0usize..8).prop_map(Op::AppTakes),
         4 => Just(Op::Deliver),
@@ -586,6 +679,18 @@ struct World {
     handed: HashMap<Bytes, usize>,
     pkid_payload: HashMap<u16, Bytes>,
     confirmed: HashMap<Bytes, usize>,
+    /// What the journal holds: each journaled publish not yet confirmed,
+    /// in order, and whether its PUBREC was recorded.
+    journal: Vec<(u16, Bytes, bool)>,
+    journaled: HashSet<Bytes>,
+    /// Journaled publishes in flight when the broker lost the session: it
+    /// takes them again as new messages (at least once, as documented).
+    at_least_once: HashSet<Bytes>,
+    /// PUBRECs recorded, to release once the journal is written.
+    to_release: Vec<u16>,
+    /// Publishes confirmed, recorded at the next write (by what they carry:
+    /// a packet id is free for the next publish once confirmed).
+    to_answer: Vec<Bytes>,
     next: u64,
 }
 
@@ -600,6 +705,11 @@ impl World {
             handed: HashMap::new(),
             pkid_payload: HashMap::new(),
             confirmed: HashMap::new(),
+            journal: Vec::new(),
+            journaled: HashSet::new(),
+            at_least_once: HashSet::new(),
+            to_release: Vec::new(),
+            to_answer: Vec::new(),
             next: 0,
         };
         w.reconnect(false).unwrap();
@@ -623,7 +733,14 @@ impl World {
                 }
                 Event::Delivered { pkid } => {
                     let payload = self.pkid_payload.remove(&pkid).ok_or(format!("{pkid} delivered twice"))?;
-                    *self.confirmed.entry(payload).or_default() += 1;
+                    *self.confirmed.entry(payload.clone()).or_default() += 1;
+                    self.to_answer.push(payload);
+                }
+                Event::Received { pkid } => {
+                    if !self.journal.iter().any(|(id, ..)| *id == pkid) {
+                        return Err(format!("PUBREC of {pkid} reported, not journaled"));
+                    }
+                    self.to_release.push(pkid);
                 }
                 Event::Closed(_) => self.drop_connection(0, true)?,
                 _ => {}
@@ -659,7 +776,52 @@ impl World {
         }
         self.deliver()?;
         self.session.handle_closed();
+        if !session_present {
+            self.at_least_once.extend(self.journal.iter().map(|(_, b, _)| b.clone()));
+        }
         self.reconnect(session_present)
+    }
+
+    /// The journal's buffer is written: confirmations and PUBRECs recorded
+    /// are on disk, and the PUBRELs held for them may go.
+    fn journal_written(&mut self) {
+        let answered = std::mem::take(&mut self.to_answer);
+        self.journal.retain(|(_, b, _)| !answered.contains(b));
+        for pkid in std::mem::take(&mut self.to_release) {
+            if let Some(entry) = self.journal.iter_mut().find(|(id, ..)| *id == pkid) {
+                entry.2 = true;
+            }
+            self.session.release(pkid);
+        }
+    }
+
+    /// kill -9 and a new process: the last `lost` packets never left; the
+    /// new session holds only what the journal kept, under the same ids
+    /// (the rest in flight died with the process, unconfirmed); the broker
+    /// sends its unacknowledged publishes again, and the new process may
+    /// take them again (the node's request journal tells those apart).
+    fn restart(&mut self, lost: usize) -> Result<(), String> {
+        let keep = self.wire.len().saturating_sub(lost);
+        self.wire.truncate(keep);
+        self.deliver()?;
+        self.session = Session::new(Options { clean_start: false, ..options() });
+        for (pkid, payload, released) in &self.journal {
+            let mut publish = Publish::new("r", QoS::ExactlyOnce, payload.clone(), None);
+            publish.pkid = *pkid;
+            self.session.restore(publish, *released);
+        }
+        // What the journal holds is owed again (its confirmation may come
+        // a second time, harmlessly); the rest died with the process.
+        self.pkid_payload = self.journal.iter().map(|(pkid, b, _)| (*pkid, b.clone())).collect();
+        self.to_release.clear();
+        self.to_answer.clear();
+        self.held.clear();
+        // The broker's publishes not acknowledged come again to a process
+        // that knows nothing of the replies the dead one sent for them.
+        let resent = self.broker.out.values().map(|(.., b)| b.clone()).collect::<Vec<_>>();
+        self.broker.reply_for.retain(|b, _| !resent.contains(b));
+        self.broker.ack_lost.extend(resent);
+        self.reconnect(true)
     }
 
     fn deliver(&mut self) -> Result<(), String> {
@@ -671,11 +833,11 @@ impl World {
 
     fn apply(&mut self, op: Op) -> Result<(), String> {
         match op {
-            Op::AppPublish(qos2) => {
+            Op::AppPublish(false) => {
                 let payload = Bytes::from(format!("m{}", self.next));
                 self.next += 1;
-                let qos = if qos2 { QoS::ExactlyOnce } else { QoS::AtLeastOnce };
-                let pkid = self.session.publish(Publish::new("r", qos, payload.clone(), None)).unwrap();
+                let publish = Publish::new("r", QoS::AtLeastOnce, payload.clone(), None);
+                let pkid = self.session.publish(publish).unwrap();
                 if self.pkid_payload.insert(pkid, payload).is_some() {
                     return Err(format!("packet id {pkid} given twice"));
                 }
@@ -724,6 +886,22 @@ impl World {
                 feed(&mut self.session, self.now, &answers);
             }
             Op::Drop { lost, session_present } => self.drop_connection(lost, session_present)?,
+            Op::AppPublish(true) => {
+                // Its record goes in the one ordered log: whatever was
+                // recorded before it is written with it.
+                self.journal_written();
+                let payload = Bytes::from(format!("j{}", self.next));
+                self.next += 1;
+                let publish = Publish::new("r", QoS::ExactlyOnce, payload.clone(), None);
+                let pkid = self.session.publish_held(publish).unwrap();
+                if self.pkid_payload.insert(pkid, payload.clone()).is_some() {
+                    return Err(format!("packet id {pkid} given twice"));
+                }
+                self.journal.push((pkid, payload.clone(), false));
+                self.journaled.insert(payload);
+            }
+            Op::JournalWritten => self.journal_written(),
+            Op::Restart { lost } => self.restart(lost)?,
             Op::Tick(secs) => {
                 self.now += Duration::from_secs(secs.into());
                 self.session.handle_timeout(self.now);
@@ -737,10 +915,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     /// Issue 36: no interleaving of publishes both ways, acknowledgements in
-    /// any order, lost packets, drops, resumed or lost sessions and timers
-    /// makes the session reuse a packet id, exceed the broker's Receive
-    /// Maximum, acknowledge out of order, hand a message over twice (but
-    /// where its acknowledgement was lost on the wire) or lose one.
+    /// any order, lost packets, drops, resumed or lost sessions, restarts
+    /// from the journal and timers makes the session reuse a packet id,
+    /// exceed the broker's Receive Maximum, acknowledge out of order, hand
+    /// a message over twice (but where its acknowledgement was lost on the
+    /// wire or the process died) or lose one; and a journaled publish
+    /// reaches the broker exactly once across restarts.
     #[test]
     fn random_interleavings_keep_every_rule_and_lose_nothing(
         receive_max in 1u16..6,
@@ -755,10 +935,18 @@ proptest! {
             while let Some((arrival, _)) = w.held.pop() {
                 w.session.acknowledge(arrival);
             }
+            w.apply(Op::JournalWritten).map_err(TestCaseError::fail)?;
             w.apply(Op::Deliver).map_err(TestCaseError::fail)?;
         }
+        // Exactly once: each journaled publish reached the broker once,
+        // however many times the process died around it.
+        for payload in w.journaled.difference(&w.at_least_once) {
+            let n = w.broker.received.iter().filter(|b| *b == payload).count();
+            prop_assert!(n == 1, "{payload:?} received {n} times");
+        }
         prop_assert!(w.pkid_payload.is_empty(), "unconfirmed: {:?}", w.pkid_payload);
-        prop_assert!(w.confirmed.values().all(|n| *n == 1));
+        prop_assert!(w.confirmed.iter().all(|(b, n)| *n == 1 || w.journaled.contains(b)));
+        prop_assert!(w.journaled.iter().all(|b| w.confirmed.contains_key(b)), "a journaled one unconfirmed");
         let sent: HashSet<&Bytes> = w.broker.received.iter().collect();
         prop_assert!(w.confirmed.keys().all(|b| sent.contains(b)), "confirmed but never received");
         prop_assert!(w.broker.out.values().all(|(_, _, b)| w.handed.contains_key(b)));
