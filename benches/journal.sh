@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What the request journal (issue 36, `mqtt.journal`) costs, in one run
 # through one mosquitto (set_tcp_nodelay true): the broker's echo floor,
-# then the node with the journal off, on without fsync, and on with fsync
-# (the default), each saturated (4 x 32 in flight) and at one request in
-# flight, the cache off. The journal lives in a scratch directory on the
+# then the node with the journal off (replies at QoS 1), on without fsync,
+# on with fsync and replies at QoS 1, and the defaults (fsync, replies at
+# QoS 2 with their packet ids journaled), each saturated (4 x 32 in
+# flight) and at one request in flight, the cache off. The journal lives in a scratch directory on the
 # disk that holds $TMPDIR (a tmpfs there makes fsync free: point TMPDIR at
 # the card the node will run on). docs/BENCHMARKS.md.
 #
@@ -20,11 +21,13 @@ echo "| --- | --- | --- | --- |"
 for round in $(seq "$rounds"); do
   measure echo --echo
   row "broker echo floor" "$sat" "$low"
-  for setup in "off 0 true" "on-no-fsync 67108864 false" "on-fsync 67108864 true"; do
-    read -r name bytes fsync <<<"$setup"
+  for setup in "off 0 true 1" "on-no-fsync-qos1 67108864 false 1" "on-fsync-qos1 67108864 true 1" \
+    "on-fsync-qos2-default 67108864 true 2"; do
+    read -r name bytes fsync qos <<<"$setup"
     EDGEINFER_NODE__ID=jn EDGEINFER_NODE__STATE_DIR="$work/state-$name-$round" EDGEINFER_MQTT__URL=$url \
       EDGEINFER_HTTP__LISTEN= EDGEINFER_CACHE__ENABLED=false EDGEINFER_LOG=warn \
       EDGEINFER_MQTT__JOURNAL__MAX_BYTES=$bytes EDGEINFER_MQTT__JOURNAL__FSYNC=$fsync \
+      EDGEINFER_MQTT__REPLY_QOS=$qos \
       "$bin" serve --models-dir models 2>"$work/node.log" &
     node=$!
     sleep 2

@@ -95,10 +95,12 @@ pub fn mqtt_session(data: &[u8]) {
         login: None,
         will: None,
     };
-    let mut session = Session::new(options);
+    let mut session = Session::new(options.clone());
     let mut now = std::time::Instant::now();
     session.connect(now);
     let (mut arrivals, mut out, mut rest) = (Vec::new(), bytes::BytesMut::new(), data);
+    // PUBRECs of journaled publishes, whose PUBREL waits for `release`.
+    let mut received = Vec::new();
     while let Some((&op, tail)) = rest.split_first() {
         rest = tail;
         match op % 6 {
@@ -109,9 +111,24 @@ pub fn mqtt_session(data: &[u8]) {
             }
             2 => {
                 let qos = if op & 8 == 0 { QoS::AtLeastOnce } else { QoS::ExactlyOnce };
-                let _ = session.publish(Publish::new("r", qos, vec![op], None));
+                let publish = Publish::new("r", qos, vec![op], None);
+                let _ = if op & 16 == 0 { session.publish(publish) } else { session.publish_held(publish) };
+            }
+            3 if op & 16 != 0 && !received.is_empty() => {
+                session.release(received.remove(op as usize % received.len()));
             }
             3 if !arrivals.is_empty() => session.acknowledge(arrivals.remove(op as usize % arrivals.len())),
+            // A new process: what a journal kept, under its old ids.
+            4 if op & 16 != 0 => {
+                session = Session::new(Options { clean_start: false, ..options.clone() });
+                for pkid in [u16::from(op) + 1, u16::from(op) + 2] {
+                    let mut publish = Publish::new("r", QoS::ExactlyOnce, vec![op], None);
+                    publish.pkid = pkid;
+                    session.restore(publish, pkid % 2 == 0);
+                }
+                (arrivals, received) = (Vec::new(), Vec::new());
+                session.connect(now);
+            }
             4 => {
                 session.handle_closed();
                 session.connect(now);
@@ -122,8 +139,10 @@ pub fn mqtt_session(data: &[u8]) {
             }
         }
         while let Some(event) = session.poll_event() {
-            if let Event::Publish { arrival: Some(arrival), .. } = event {
-                arrivals.push(arrival);
+            match event {
+                Event::Publish { arrival: Some(arrival), .. } => arrivals.push(arrival),
+                Event::Received { pkid } => received.push(pkid),
+                _ => {}
             }
         }
         out.clear();

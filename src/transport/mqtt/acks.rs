@@ -89,16 +89,21 @@ impl AckSlot {
     /// The reply now (it waits for nothing but the journal's write), then,
     /// with `durable`, the acknowledgement once the journal's sync is done;
     /// `first` is the guard a follow-up to this request waits on, released
-    /// once the reply is handed to the session.
-    pub async fn send_then_acknowledge(
+    /// once the reply is handed to the session. `admitted` (the request's
+    /// place under `mqtt.max_in_flight`) is let go with the reply: waiting
+    /// for a sync is not work, and holding it would turn a slow disk into
+    /// `overloaded` replies (the broker's window bounds what waits).
+    pub async fn send_then_acknowledge<A>(
         mut self,
         reply: super::outbox::Reply,
         first: Option<crate::protocol::FirstReplyPending>,
         durable: Option<Durable>,
+        admitted: A,
     ) {
         let Some(durable) = durable else { return self.report(Some(reply), first) };
         let arrival = self.arrival.take();
         self.report(Some(reply), first);
+        drop(admitted);
         // After a failed or slow sync too: the reply is ahead of it in the
         // channel, and the written record survives a crash of the node.
         let _synced = durable.await;

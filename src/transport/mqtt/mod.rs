@@ -371,8 +371,7 @@ impl MqttService {
                     };
                     tasks.spawn(async move {
                         let refusal = admitted.as_ref().err().cloned();
-                        task.handle(*publish, refusal, slot).await;
-                        drop(admitted);
+                        task.handle(*publish, refusal, slot, admitted).await;
                     });
                 }
                 Event::Closed(why) => {
@@ -447,8 +446,7 @@ impl MqttService {
                 }
                 let admitted = admission.wait(publish.payload.len()).await;
                 let _ = admitted_tx.send(());
-                task.handle(publish, None, slot).await;
-                drop(admitted);
+                task.handle(publish, None, slot, admitted).await;
             });
         }
     }
@@ -771,7 +769,8 @@ impl RequestTask {
 
     /// Answers one request, handing its reply (or none, with nowhere to
     /// send one) back to the loop, which acknowledges the request after it.
-    async fn handle(self, publish: Publish, refusal: Option<InferError>, mut ack: AckSlot) {
+    /// `admitted` (its admission permits) goes with the reply.
+    async fn handle<A>(self, publish: Publish, refusal: Option<InferError>, mut ack: AckSlot, admitted: A) {
         if let Some(seq) = self.replayed {
             // Whatever becomes of it now (even dropped, for a reply topic
             // the config no longer allows) ends it in the journal.
@@ -871,6 +870,6 @@ impl RequestTask {
         // A follow-up to this request goes out only once the session has this
         // reply: the outbox releases the guard then.
         let reply = Reply { publish, id: reply.id };
-        ack.send_then_acknowledge(reply, first_reply_pending, durable).await;
+        ack.send_then_acknowledge(reply, first_reply_pending, durable, admitted).await;
     }
 }

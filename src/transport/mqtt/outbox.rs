@@ -102,6 +102,17 @@ impl Outbox {
         }
     }
 
+    /// The broker completed the reply `Sent` as `seq` (PUBCOMP): recorded
+    /// in memory and written with the journal's next write, not one of its
+    /// own. Lost in a crash, it costs a PUBREL sent again at the next start
+    /// (its `Released` was written before the first), which the broker
+    /// answers PUBCOMP: nothing reaches a device twice.
+    fn completed(&mut self, seq: Option<u64>) {
+        if let (Some(journal), Some(seq)) = (&self.journal, seq) {
+            journal.answered(seq);
+        }
+    }
+
     /// Writes what was recorded since the last call, then lets go what
     /// waited for it: PUBRELs, and the spool entries of follow-ups the
     /// journal now holds. The loop calls it before the driver writes.
@@ -196,15 +207,15 @@ impl Outbox {
             }
             Event::Delivered { pkid } => {
                 let sent = self.sent.remove(pkid);
-                match self.notes.remove(pkid) {
-                    Some(Note::FollowUp(delivery)) => {
-                        delivery.confirm();
-                        self.answered(sent);
-                    }
-                    Some(Note::Reply { journaled, .. }) => self.answered(sent.or(journaled)),
-                    Some(Note::JournaledFollowUp) => self.answered(sent),
+                match (self.notes.remove(pkid), sent) {
+                    (Some(Note::FollowUp(delivery)), _) => delivery.confirm(),
+                    // QoS 1: the confirmation answers the request, written
+                    // before the next turn (until then a crash answers it
+                    // twice). Recorded `Sent`, it was answered by that.
+                    (Some(Note::Reply { journaled: Some(seq), .. }), None) => self.answered(Some(seq)),
                     _ => {}
                 }
+                self.completed(sent);
             }
             Event::Refused { pkid, reason } => {
                 let sent = self.sent.remove(pkid);

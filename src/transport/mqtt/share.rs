@@ -348,8 +348,7 @@ impl Line {
         };
         self.tasks.spawn(async move {
             let refusal = admitted.as_ref().err().cloned();
-            task.handle(publish, refusal, slot).await;
-            drop(admitted);
+            task.handle(publish, refusal, slot, admitted).await;
         });
     }
 

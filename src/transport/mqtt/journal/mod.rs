@@ -344,15 +344,19 @@ impl Journal {
 
     /// Writes what was recorded since the last write (answers, replies
     /// sent, releases); the sync thread syncs it soon after. `false` if
-    /// the write failed (what it held is tried again with the next write,
-    /// but for the replies sent, which go unjournaled).
+    /// the write failed: the journal then keeps nothing more (requests are
+    /// acknowledged after their reply, replies go unjournaled) until a
+    /// restart.
     pub fn flush(&self) -> bool {
         let mut log = self.log();
         if !log.has_buffered() {
             return true;
         }
         if let Err(e) = log.write() {
-            tracing::error!("{e}; its answers are tried again with the next write");
+            // As in `keep`: what a failing disk wrote cannot be trusted
+            // until a restart reads what is whole.
+            tracing::error!("{e}; the journal keeps nothing more until the node restarts");
+            log.failing = true;
             return false;
         }
         let files = log.take_unsynced();
