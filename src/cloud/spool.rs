@@ -514,11 +514,16 @@ impl SpoolTask {
 
     /// Drops the entries whose final reply the request journal holds as
     /// sent (it sends them again itself): the node stopped before the
-    /// spool heard the journal had them. Called before `run`.
-    pub fn drop_sent(&mut self, sent: &HashSet<Vec<u8>>) {
+    /// spool heard the journal had them. `sent`: by key, the topic and
+    /// correlation data the final reply went to; an entry under that key
+    /// for another route is another escalation (a rebuilt store gives keys
+    /// again) and stays. Called before `run`.
+    pub fn drop_sent(&mut self, sent: &HashMap<Vec<u8>, (String, Option<Vec<u8>>)>) {
         let mut dropped = 0;
-        for key in sent {
-            if let Ok(Some(value)) = self.tree.get(key) {
+        for (key, (topic, correlation)) in sent {
+            let Ok(Some(value)) = self.tree.get(key) else { continue };
+            let route = postcard::from_bytes::<Stored>(&value).map(|s| s.entry.route);
+            if route.is_ok_and(|r| &r.topic == topic && &r.correlation == correlation) {
                 self.remove(key, value.len());
                 dropped += 1;
             }
@@ -745,6 +750,24 @@ mod tests {
         assert!(task.store(entry(9), None).is_some());
         assert_eq!(task.entries, 2, "the byte bound holds too");
         assert!(task.bytes <= 2 * one);
+    }
+
+    /// Issue 36: an entry whose final reply the request journal holds as
+    /// sent goes at open; one under the same key for another route (a
+    /// rebuilt store gives keys again) stays.
+    #[test]
+    fn entries_the_journal_sent_go_and_another_route_under_a_sent_key_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_spool, mut task, _rx) = reopen(dir.path(), limits(10, u64::MAX));
+        let keys: Vec<Vec<u8>> = (0..3).map(|n| task.store(entry(n), None).unwrap().0.to_vec()).collect();
+        let sent = HashMap::from([
+            (keys[0].clone(), ("dev/0".to_string(), Some(vec![0]))),
+            (keys[1].clone(), ("dev/other".to_string(), Some(vec![1]))),
+            (b"gone".to_vec(), ("dev/9".to_string(), None)),
+        ]);
+        task.drop_sent(&sent);
+        assert_eq!(topics(&task), vec!["dev/1", "dev/2"]);
+        assert_eq!(task.entries, 2);
     }
 
     #[test]

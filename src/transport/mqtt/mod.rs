@@ -398,7 +398,9 @@ impl MqttService {
         let mut publish = Publish::new(self.topics.status(), QoS::AtLeastOnce, offline, None);
         publish.retain = true;
         conn.publish(publish, Note::Status);
-        conn.flush_journal();
+        // Whatever events wait, `Driver::flush` writes what is queued: the
+        // records first.
+        conn.outbox.flush_journal(conn.link.session());
         // Its last words, and a clean DISCONNECT (no will over them), in 2 s at most.
         if conn.link.is_open() {
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.link.flush()).await;

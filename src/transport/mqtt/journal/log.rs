@@ -54,13 +54,15 @@ pub struct InFlight {
 }
 
 /// What a previous run left: requests to run again and replies to send
-/// again, oldest first, and the spool keys of every follow-up the files
-/// hold as `Sent` (the spool may not have heard before the node stopped).
+/// again, oldest first, and every follow-up the files hold as `Sent` (the
+/// spool may not have heard before the node stopped), by spool key, with
+/// the topic and correlation data it went to: a spool rebuilt since may
+/// have given the key to another escalation.
 #[derive(Default)]
 pub struct Recovered {
     pub requests: Vec<Waiting>,
     pub replies: Vec<InFlight>,
-    pub follow_ups_sent: HashSet<Vec<u8>>,
+    pub follow_ups_sent: HashMap<Vec<u8>, (String, Option<Vec<u8>>)>,
 }
 
 struct Segment {
@@ -90,7 +92,8 @@ pub struct Log {
     buffer: Vec<u8>,
     buffered_arrivals: Vec<u64>,
     buffered_answers: Vec<u64>,
-    buffered_sent: Vec<u64>,
+    /// Replies `Sent` (seq) and the journaled request each answers.
+    buffered_sent: Vec<(u64, Option<u64>)>,
     buffered_released: Vec<u64>,
     /// Requests waiting for an answer, and replies `Sent` waiting for PUBCOMP.
     waiting: HashMap<u64, Entry>,
@@ -154,7 +157,7 @@ impl Log {
         };
         let mut requests: BTreeMap<u64, Request> = BTreeMap::new();
         let mut replies: BTreeMap<u64, InFlight> = BTreeMap::new();
-        let mut follow_ups_sent = HashSet::new();
+        let mut follow_ups_sent = HashMap::new();
         for &no in &numbers {
             let path = log.path(no);
             let mut bytes = Vec::new();
@@ -184,7 +187,10 @@ impl Log {
                             requests.remove(&request);
                             log.settle(request);
                         }
-                        follow_ups_sent.extend(reply.spool_key.clone());
+                        if let Some(key) = &reply.spool_key {
+                            follow_ups_sent
+                                .insert(key.clone(), (reply.topic.clone(), reply.correlation.clone()));
+                        }
                         log.wait(seq, no, None);
                         replies.insert(seq, InFlight { seq, reply, released: false });
                     }
@@ -249,7 +255,7 @@ impl Log {
         let seq = self.next_seq;
         self.next_seq += 1;
         encode(&mut self.buffer, SENT, seq, &body);
-        self.buffered_sent.push(seq);
+        self.buffered_sent.push((seq, reply.request));
         if let Some(request) = reply.request {
             self.settle(request);
         }
@@ -322,11 +328,17 @@ impl Log {
             let _ = self.next_file();
         }
         self.buffer.clear();
-        let forgotten = std::mem::take(&mut self.buffered_arrivals);
-        for seq in forgotten.into_iter().chain(std::mem::take(&mut self.buffered_sent)) {
+        for seq in std::mem::take(&mut self.buffered_arrivals) {
             self.forget(seq);
         }
-        for seq in std::mem::take(&mut self.buffered_answers) {
+        // A reply `Sent` answered its request: that answer is kept for the
+        // next write as an `Answered`, though the reply goes unjournaled.
+        let mut answers = std::mem::take(&mut self.buffered_answers);
+        for (seq, request) in std::mem::take(&mut self.buffered_sent) {
+            self.forget(seq);
+            answers.extend(request);
+        }
+        for seq in answers {
             encode(&mut self.buffer, ANSWERED, seq, &[]);
             self.buffered_answers.push(seq);
         }
@@ -585,8 +597,12 @@ mod tests {
             recovered.replies.iter().map(|r| (r.seq, r.reply.pkid, r.released)).collect();
         assert_eq!(replies, vec![(a, 11, true), (b, 12, false)]);
         assert_eq!(recovered.replies[0].reply, reply(Some(answered_by_reply), 11, None), "as it was sent");
-        let keys: HashSet<Vec<u8>> = [b"follow-up-b".to_vec(), b"follow-up-c".to_vec()].into();
-        assert_eq!(recovered.follow_ups_sent, keys);
+        let keys: HashSet<&Vec<u8>> = recovered.follow_ups_sent.keys().collect();
+        assert_eq!(keys, [&b"follow-up-b".to_vec(), &b"follow-up-c".to_vec()].into());
+        assert_eq!(
+            recovered.follow_ups_sent[&b"follow-up-b".to_vec()],
+            ("dev/12/replies".into(), Some(vec![1, 2]))
+        );
         assert!(log.knows(&request(1).key()) && log.knows(&request(2).key()));
         assert_eq!(log.waiting(), 3, "the unanswered request and the two replies in flight");
     }
@@ -702,9 +718,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut log, _) = open(dir.path(), 1 << 20);
         let answered_later = log.arrived(request(1).key(), &request(1)).unwrap();
+        let replied = log.arrived(request(3).key(), &request(3)).unwrap();
         log.write().unwrap();
         let before = log.bytes();
         log.answered(answered_later);
+        // Found in review: a reply `Sent` in a failed write was dropped
+        // with the answer it carried, and its request ran again.
+        log.sent(&reply(Some(replied), 9, None));
         let lost = log.arrived(request(2).key(), &request(2)).unwrap();
         fail::cfg("journal_write", &format!("return({})", dir.path().display())).unwrap();
         let failed = log.write();
@@ -714,7 +734,11 @@ mod tests {
         assert!(!log.waiting.contains_key(&lost), "its arrival is not journaled");
         log.write().unwrap();
         drop(log);
-        let (_log, waiting) = open(dir.path(), 1 << 20);
-        assert!(waiting.is_empty(), "the answer was written at the next write; the failed arrival never");
+        let (_log, recovered) = Log::open(dir.path(), 1 << 20, true, 16).unwrap();
+        assert!(
+            recovered.requests.is_empty(),
+            "the answers were written at the next write (the reply's as `Answered`); the failed arrival never"
+        );
+        assert!(recovered.replies.is_empty(), "the reply went unjournaled");
     }
 }

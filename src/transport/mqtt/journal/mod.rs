@@ -343,14 +343,15 @@ impl Journal {
     }
 
     /// Writes what was recorded since the last write (answers, replies
-    /// sent, releases); the sync thread syncs it soon after. `false` if
-    /// the write failed: the journal then keeps nothing more (requests are
-    /// acknowledged after their reply, replies go unjournaled) until a
-    /// restart.
+    /// sent, releases); the sync thread syncs it soon after. `false` once
+    /// a write failed, this one or an earlier one (whose replies `Sent`
+    /// were dropped with it): the journal then keeps nothing more
+    /// (requests are acknowledged after their reply, replies go
+    /// unjournaled) until a restart.
     pub fn flush(&self) -> bool {
         let mut log = self.log();
         if !log.has_buffered() {
-            return true;
+            return !log.failing;
         }
         if let Err(e) = log.write() {
             // As in `keep`: what a failing disk wrote cannot be trusted
@@ -359,10 +360,10 @@ impl Journal {
             log.failing = true;
             return false;
         }
-        let files = log.take_unsynced();
+        let (files, whole) = (log.take_unsynced(), !log.failing);
         drop(log);
         let _ = self.shared.to_sync.send(SyncJob { files, durable: None });
-        true
+        whole
     }
 }
 

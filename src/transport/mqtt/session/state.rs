@@ -318,8 +318,14 @@ impl Session {
             self.incoming.resume();
         }
         self.events.push_back(Event::Connected { session_present: connack.session_present });
-        // What waits and this broker would refuse (it disconnects for it,
-        // and the same publish first in line would go again each time).
+        // A QoS 2 publish to a broker of QoS 1 goes at QoS 1; what waits
+        // and this broker would still refuse (it disconnects for it, and
+        // the same publish first in line would go again each time) is
+        // refused here.
+        let max_qos = self.peer_max_qos;
+        for entry in self.outgoing.iter_mut().filter(|o| o.stage == Stage::Waiting && !o.written) {
+            downgrade(&mut entry.publish, max_qos);
+        }
         let refusals: Vec<(u16, u8)> = self
             .outgoing
             .iter()
@@ -460,6 +466,7 @@ impl Session {
 
     fn take_publish(&mut self, mut publish: Publish, hold_release: bool) -> Result<u16, PublishError> {
         publish.dup = false;
+        downgrade(&mut publish, self.peer_max_qos);
         // We allow the broker no aliases, and use none.
         if let Some(properties) = publish.properties.as_mut() {
             properties.topic_alias = None;
@@ -668,6 +675,15 @@ impl Session {
         self.timers.stop_all();
         self.rx.clear();
         self.events.push_back(Event::Closed(why));
+    }
+}
+
+/// A QoS 2 publish to a broker whose Maximum QoS is 1 (AWS IoT Core, Azure
+/// Event Grid) goes at QoS 1, which is all it can take: at least once
+/// instead of exactly once, rather than not at all.
+fn downgrade(publish: &mut Publish, max_qos: QoS) {
+    if publish.qos == QoS::ExactlyOnce && max_qos == QoS::AtLeastOnce {
+        publish.qos = QoS::AtLeastOnce;
     }
 }
 

@@ -428,12 +428,36 @@ fn the_brokers_limits_and_its_short_disconnects_are_understood() {
     let properties = limited.properties.as_mut().unwrap();
     (properties.max_qos, properties.retain_available) = (Some(1), Some(0));
     feed(&mut s, now, &[Packet::ConnAck(limited)]);
-    assert_eq!(
-        events(&mut s),
-        vec![Event::Connected { session_present: false }, Event::Refused { pkid: waiting, reason: 0x9B }]
+    assert_eq!(events(&mut s), vec![Event::Connected { session_present: false }]);
+    // QoS 2 goes at QoS 1, all such a broker takes (the node's replies
+    // default to QoS 2): waiting ones and new ones, held or not.
+    let later = s.publish_held(publish("r", QoS::ExactlyOnce, "x")).unwrap();
+    let sent = written(&mut s, now);
+    let qos: Vec<(u16, QoS)> = sent
+        .iter()
+        .filter_map(|p| match p {
+            Packet::Publish(p) => Some((p.pkid, p.qos)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(qos, vec![(waiting, QoS::AtLeastOnce), (later, QoS::AtLeastOnce)]);
+    feed(
+        &mut s,
+        now,
+        &[Packet::PubAck(PubAck::new(waiting, None)), Packet::PubAck(PubAck::new(later, None))],
     );
+    assert_eq!(events(&mut s), vec![Event::Delivered { pkid: waiting }, Event::Delivered { pkid: later }]);
+    // A broker of QoS 0 takes neither.
+    let (mut q0, now) = up(None);
+    q0.handle_closed();
+    q0.connect(now);
+    written(&mut q0, now);
+    let Packet::ConnAck(mut qos0) = connack(true, None) else { unreachable!() };
+    qos0.properties.as_mut().unwrap().max_qos = Some(0);
+    feed(&mut q0, now, &[Packet::ConnAck(qos0)]);
+    events(&mut q0);
     assert_eq!(
-        s.publish(publish("r", QoS::ExactlyOnce, "x")),
+        q0.publish(publish("r", QoS::ExactlyOnce, "x")),
         Err(PublishError::Unsupported { reason: 0x9B })
     );
     let mut retained = publish("r", QoS::AtLeastOnce, "x");
