@@ -117,10 +117,10 @@ pub struct MqttConfig {
     /// once even across a kill -9; with 1 a reply whose confirmation the
     /// node did not record before a crash goes again (at least once).
     /// QoS 2 costs a round trip to the broker before it delivers a reply.
-    /// QoS 2 needs the journal (without it replies go at QoS 1), a broker
-    /// of Maximum QoS 1 gets QoS 1, and the share group's replies go at
-    /// QoS 1 (their requests are not journaled: unanswered, they go to
-    /// another member).
+    /// QoS 2 needs the journal (without it replies go at QoS 1); a broker
+    /// of Maximum QoS 1 and the embedded broker (it dies with the node) get
+    /// QoS 1; the share group's replies go at QoS 1 (their requests are not
+    /// journaled: unanswered, they go to another member).
     pub reply_qos: u8,
     /// The request journal: requests on the node's own topic are
     /// acknowledged once journaled, and run again after a crash.

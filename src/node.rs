@@ -83,7 +83,7 @@ impl Node {
         let started = Instant::now();
         // Read before anything starts: a bad key stops the node at once.
         let control = control_auth(&config)?;
-        start_embedded_broker(&config, reload.config_file.is_none())?;
+        let broker_in_process = start_embedded_broker(&config, reload.config_file.is_none())?;
         let metrics = if config.telemetry.metrics { telemetry::install() } else { None };
         if let Some(handle) = &metrics {
             tokio::spawn(telemetry::upkeep(handle.clone()));
@@ -162,6 +162,9 @@ impl Node {
         let mut service = service.with_follow_ups(follow_ups_rx).with_events(decisions);
         if let Some((journal, recovered)) = journal {
             service = service.with_journal(journal, recovered.requests, recovered.replies);
+        }
+        if broker_in_process {
+            service = service.with_broker_in_process();
         }
         if let Some(auth) = control {
             service = service.with_control(auth);
@@ -366,12 +369,14 @@ impl Node {
 /// Starts the embedded broker on mqtt.url when `mqtt.embedded_broker`
 /// asks for it, or when a first run without a config file finds nothing
 /// listening there.
-fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), NodeError> {
+/// Starts the embedded broker where the config asks for it (or, with no
+/// config file, where nothing listens on `mqtt.url`): whether it did.
+fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<bool, NodeError> {
     let address = BrokerAddress::parse(&config.mqtt.url)?;
     let addr = address.socket_addr().ok_or_else(|| NodeError::Resolve(config.mqtt.url.clone()))?;
     let fallback = no_config_file && !address.tls && !broker::listening(addr);
     if !config.mqtt.embedded_broker && !fallback {
-        return Ok(());
+        return Ok(false);
     }
     let mqtt = &config.mqtt;
     let v5 = embedded_listen(addr, mqtt.embedded_listen.as_deref())?;
@@ -400,7 +405,7 @@ fn start_embedded_broker(config: &Config, no_config_file: bool) -> Result<(), No
          process's memory only, so a crash or restart of the node loses them (no at-least-once across a \
          crash); sites run mosquitto or another broker with persistence and point mqtt.url at it"
     );
-    Ok(())
+    Ok(true)
 }
 
 /// With `control.enabled`, the key commands must be signed with.

@@ -81,6 +81,8 @@ pub struct MqttService {
     resend: Vec<InFlight>,
     /// `mqtt.reply_qos`.
     reply_qos: QoS,
+    /// The broker is the embedded one, in this process.
+    broker_in_process: bool,
 }
 
 impl MqttService {
@@ -130,6 +132,7 @@ impl MqttService {
                 replay: Vec::new(),
                 resend: Vec::new(),
                 reply_qos: reply_qos(mqtt),
+                broker_in_process: false,
             },
             ready_rx,
         ))
@@ -159,6 +162,13 @@ impl MqttService {
     ) -> MqttService {
         self.journal = Some(journal);
         (self.replay, self.resend) = (replay, resend);
+        self
+    }
+
+    /// The broker is the embedded one: it dies with this process, so QoS 2
+    /// replies would buy nothing across a crash and cost a round trip.
+    pub fn with_broker_in_process(mut self) -> MqttService {
+        self.broker_in_process = true;
         self
     }
 
@@ -192,6 +202,10 @@ impl MqttService {
             tracing::warn!(
                 "mqtt.reply_qos = 2 needs the request journal (mqtt.journal); replies go at QoS 1"
             );
+            self.reply_qos = QoS::AtLeastOnce;
+        } else if self.broker_in_process && self.reply_qos == QoS::ExactlyOnce {
+            // Its sessions die with this process: nothing to send again into.
+            tracing::info!("replies go at QoS 1 to the embedded broker, which keeps nothing across a crash");
             self.reply_qos = QoS::AtLeastOnce;
         }
         let mut follow_ups = self.follow_ups.take();

@@ -174,8 +174,9 @@ fn stop_name(stop: Stop) -> &'static str {
 }
 
 /// `mqtt.reply_qos` as a device subscribed at QoS 2 sees it: replies at
-/// QoS 2 by default, at QoS 1 with `reply_qos = 1`, and at QoS 1 without
-/// the journal (which QoS 2 needs).
+/// QoS 2 by default, at QoS 1 with `reply_qos = 1`, at QoS 1 without the
+/// journal (which QoS 2 needs), and at QoS 1 through the embedded broker
+/// (it dies with the node: QoS 2 would buy nothing across a crash).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replies_go_at_the_qos_mqtt_reply_qos_names_and_at_qos_1_without_the_journal() {
     let Some(broker) = Mosquitto::start() else { return };
@@ -199,4 +200,19 @@ async fn replies_go_at_the_qos_mqtt_reply_qos_names_and_at_qos_1_without_the_jou
         }
         drop(node);
     }
+    let (node, port, _) =
+        tokio::task::block_in_place(|| super::support::embedded_node_with_http("gw-qe", &[]));
+    let options = MqttOptions::new("dev-qe", "127.0.0.1", port);
+    let mut client = Client::connect_with_qos(options, &["dev/q/replies"], QoS::ExactlyOnce).await;
+    let (payload, label) = labelled_request("qe", 0);
+    client.request("edgeinfer/gw-qe/infer/digits", payload, "dev/q/replies", b"qe", None).await;
+    let (_, reply) = client.next_json().await;
+    assert_eq!(reply["parameters"]["label"], label, "{reply}");
+    // rumqttd delivers at the subscription's QoS whatever the publish's, so
+    // the device cannot tell here: the node's start log says what it does.
+    let log = node.log.lock().unwrap();
+    assert!(
+        log.iter().any(|l| l.contains("replies go at QoS 1 to the embedded broker")),
+        "the start log says so"
+    );
 }
