@@ -111,12 +111,23 @@ pub fn node_with_http(url: &str, id: &str, env: &[(&str, &str)]) -> (Node, u16) 
 }
 
 /// The same with its embedded broker; returns it, the MQTT port and the HTTP port.
+/// A port `free_port_pair` found free can be taken by another test before
+/// the node binds it: then the node exits saying so, and it starts again
+/// on other ports.
 pub fn embedded_node_with_http(id: &str, env: &[(&str, &str)]) -> (Node, u16, u16) {
-    let port = free_port_pair();
-    let mut all = vec![("EDGEINFER_MQTT__EMBEDDED_BROKER", "true")];
-    all.extend_from_slice(env);
-    let (node, http_port) = node_with_http(&format!("mqtt://127.0.0.1:{port}"), id, &all);
-    (node, port, http_port)
+    for _ in 0..3 {
+        let (port, http_port) = (free_port_pair(), free_port_pair());
+        let listen = format!("127.0.0.1:{http_port}");
+        let mut all =
+            vec![("EDGEINFER_MQTT__EMBEDDED_BROKER", "true"), ("EDGEINFER_HTTP__LISTEN", listen.as_str())];
+        all.extend_from_slice(env);
+        match Node::try_start(&format!("mqtt://127.0.0.1:{port}"), id, &all) {
+            Ok(node) => return (node, port, http_port),
+            Err(log) if log.iter().any(|l| l.contains("in use")) => eprintln!("ports taken, again: {log:?}"),
+            Err(log) => panic!("node {id} did not log \"MQTT connected\"; its log:\n{}", log.join("\n")),
+        }
+    }
+    panic!("node {id}: no free ports in 3 tries");
 }
 
 /// A port with its successor free too (the embedded broker's 3.1.1 listener).
@@ -231,6 +242,14 @@ pub struct Node {
 impl Node {
     /// Starts a node and waits until its subscriptions are in place.
     pub fn start(url: &str, id: &str, env: &[(&str, &str)]) -> Node {
+        Node::try_start(url, id, env).unwrap_or_else(|log| {
+            panic!("node {id} did not log \"MQTT connected\" within 30 s; its log:\n{}", log.join("\n"))
+        })
+    }
+
+    /// `start`, or the node's log if it never got connected (it exited, or
+    /// 30 s passed).
+    pub fn try_start(url: &str, id: &str, env: &[(&str, &str)]) -> Result<Node, Vec<String>> {
         // EDGEINFER_TEST_BIN points the tests at another build (a release one,
         // to measure latency).
         let bin =
@@ -285,18 +304,29 @@ impl Node {
             }
         });
         let node = Node { child, id: id.into(), lines, log, _state: state };
-        node.wait_for_line("MQTT connected", Duration::from_secs(30));
-        node
+        if node.saw_line("MQTT connected", Duration::from_secs(30)) {
+            Ok(node)
+        } else {
+            Err(node.log.lock().unwrap().clone())
+        }
     }
 
     pub fn wait_for_line(&self, needle: &str, timeout: Duration) {
+        if !self.saw_line(needle, timeout) {
+            panic!("node {} did not log {needle:?} within {timeout:?}", self.id);
+        }
+    }
+
+    /// Whether the node logs a line with `needle` within `timeout` (false
+    /// at once if it exits first).
+    fn saw_line(&self, needle: &str, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(needle) => return,
+                Ok(line) if line.contains(needle) => return true,
                 Ok(_) => {}
-                Err(_) => panic!("node {} did not log {needle:?} within {timeout:?}", self.id),
+                Err(_) => return false,
             }
         }
     }
