@@ -322,8 +322,10 @@ impl Session {
         // and this broker would still refuse (it disconnects for it, and
         // the same publish first in line would go again each time) is
         // refused here.
+        // Written ones too: a reply restored from a journal at QoS 2 goes
+        // again at QoS 1 rather than have this broker disconnect for it.
         let max_qos = self.peer_max_qos;
-        for entry in self.outgoing.iter_mut().filter(|o| o.stage == Stage::Waiting && !o.written) {
+        for entry in self.outgoing.iter_mut().filter(|o| o.stage == Stage::Waiting) {
             downgrade(&mut entry.publish, max_qos);
         }
         let refusals: Vec<(u16, u8)> = self

@@ -103,6 +103,18 @@ fn broker_publish(pkid: u16, qos: QoS, payload: &str) -> Packet {
     Packet::Publish(p)
 }
 
+/// What a resumed session sent, as (packet id, DUP, PUBLISH or PUBREL).
+fn resent(packets: &[Packet]) -> Vec<(u16, bool, &'static str)> {
+    packets
+        .iter()
+        .map(|p| match p {
+            Packet::Publish(p) => (p.pkid, p.dup, "publish"),
+            Packet::PubRel(r) => (r.pkid, false, "pubrel"),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
 fn up(receive_max: Option<u16>) -> (Session, Instant) {
     let now = Instant::now();
     let mut session = Session::new(options());
@@ -191,15 +203,7 @@ fn a_resumed_session_sends_unconfirmed_publishes_again_in_order_marked_dup_under
     let Packet::Connect(connect, ..) = &written(&mut s, now)[0] else { panic!() };
     assert!(!connect.clean_start, "a reconnect resumes the session");
     feed(&mut s, now, &[connack(true, None)]);
-    let again = written(&mut s, now);
-    let shape: Vec<(u16, bool, &'static str)> = again
-        .iter()
-        .map(|p| match p {
-            Packet::Publish(p) => (p.pkid, p.dup, "publish"),
-            Packet::PubRel(r) => (r.pkid, false, "pubrel"),
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let shape = resent(&written(&mut s, now));
     assert_eq!(shape, vec![(q1, true, "publish"), (q2, true, "publish"), (q3, false, "pubrel")]);
 
     // The broker lost the session: what it PUBREC'd it had; the rest goes
@@ -249,14 +253,7 @@ fn a_held_publish_waits_for_its_release_and_a_restored_one_goes_again_under_its_
     assert_eq!(events(&mut fresh), vec![Event::Connected { session_present: true }]);
     let new = fresh.publish(publish("r", QoS::ExactlyOnce, "new")).unwrap();
     assert!(new != 700 && new != 701, "a restored id is not given again: {new}");
-    let shape: Vec<(u16, bool, &'static str)> = written(&mut fresh, now)
-        .iter()
-        .map(|p| match p {
-            Packet::Publish(p) => (p.pkid, p.dup, "publish"),
-            Packet::PubRel(r) => (r.pkid, false, "pubrel"),
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let shape = resent(&written(&mut fresh, now));
     assert_eq!(shape, vec![(700, true, "publish"), (701, false, "pubrel"), (new, false, "publish")]);
     // A PUBCOMP 0x92 to the PUBREL (the broker completed it before the
     // crash) settles it all the same.
@@ -264,6 +261,29 @@ fn a_held_publish_waits_for_its_release_and_a_restored_one_goes_again_under_its_
     comp.reason = PubCompReason::PacketIdentifierNotFound;
     feed(&mut fresh, now, &[Packet::PubComp(comp)]);
     assert_eq!(events(&mut fresh), vec![Event::Delivered { pkid: 701 }]);
+}
+
+/// Found in review: a reply restored from a journal at QoS 2 went again at
+/// QoS 2 to a broker that now takes QoS 1, which disconnects for it at
+/// every reconnect. It goes at QoS 1, marked DUP.
+#[test]
+fn a_restored_qos_2_publish_goes_at_qos_1_to_a_broker_of_qos_1() {
+    let now = Instant::now();
+    let mut s = Session::new(Options { clean_start: false, ..options() });
+    let mut restored = publish("r", QoS::ExactlyOnce, "restored");
+    restored.pkid = 700;
+    s.restore(restored, false);
+    s.connect(now);
+    written(&mut s, now);
+    let Packet::ConnAck(mut limited) = connack(true, None) else { unreachable!() };
+    limited.properties.as_mut().unwrap().max_qos = Some(1);
+    feed(&mut s, now, &[Packet::ConnAck(limited)]);
+    assert_eq!(events(&mut s), vec![Event::Connected { session_present: true }]);
+    let sent = written(&mut s, now);
+    assert!(
+        matches!(&sent[..], [Packet::Publish(p)] if p.pkid == 700 && p.dup && p.qos == QoS::AtLeastOnce),
+        "{sent:?}"
+    );
 }
 
 #[test]
