@@ -396,7 +396,7 @@ impl MqttService {
                         _ = tokio::time::sleep(wait) => {}
                     }
                 }
-                other => conn.settled(&other),
+                other => conn.outbox.settled(&other),
             }
         }
         // The share group is left first (its loop unsubscribes at once) and
@@ -520,7 +520,7 @@ impl MqttService {
                     // Left with the broker: never acknowledged.
                     Event::Publish { .. } => held_back += 1,
                     Event::Closed(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                    other => conn.settled(&other),
+                    other => conn.outbox.settled(&other),
                 },
                 _ = tokio::time::sleep_until(deadline) => break,
             }
@@ -650,11 +650,6 @@ struct Connection {
 }
 
 impl Connection {
-    /// The session's word on our publishes.
-    fn settled(&mut self, event: &Event) {
-        self.outbox.settled(event);
-    }
-
     /// What the outbox recorded in the journal is written before the
     /// driver writes what it is about: called before each turn of the
     /// driver. Not while the session has events for the loop (the driver

@@ -156,12 +156,11 @@ impl Outbox {
             Note::FollowUp(delivery) => (None, Some(delivery.key().to_vec())),
             _ => (None, None),
         };
-        let mut kept = None;
+        // Its record, taken before the session has the publish; the packet
+        // id is the session's to give.
+        let mut reply = record.as_ref().map(|_| SentReply::new(&publish, request, spool_key));
         let taken = match &record {
-            Some(_) => {
-                kept = Some(publish.clone());
-                session.publish_held(publish)
-            }
+            Some(_) => session.publish_held(publish),
             None => session.publish(publish),
         };
         match taken {
@@ -170,9 +169,9 @@ impl Outbox {
                 if let Note::Reply { first, .. } = &mut note {
                     drop(first.take());
                 }
-                if let (Some(journal), Some(publish)) = (record, kept) {
-                    let reply = SentReply::new(&Publish { pkid, ..publish }, request, spool_key);
-                    match journal.sent(&reply) {
+                if let (Some(journal), Some(reply)) = (record, reply.as_mut()) {
+                    reply.pkid = pkid;
+                    match journal.sent(reply) {
                         Some(seq) => {
                             self.sent.insert(pkid, seq);
                             if let Note::FollowUp(_) = note {
