@@ -32,8 +32,8 @@ use crate::lifecycle::Heartbeat;
 use crate::protocol::{Encoding, FollowUp, FollowUpTo, InferError, ReplyRoute, first_reply};
 use crate::rollout::Decision;
 use crate::telemetry::{State, Status};
-use acks::{AckSlot, Finished};
-use journal::{Durable, InFlight, Journal, Kept, Waiting};
+use acks::{AckSlot, Finished, JournaledAcks};
+use journal::{InFlight, Journal, Kept, Waiting};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
@@ -222,7 +222,7 @@ impl MqttService {
             outbox.restore(&mut session, resend);
         }
         let link = Driver::new(session, self.address.host.clone(), self.address.port, self.tls.clone());
-        let mut conn = Connection { link, outbox };
+        let mut conn = Connection { link, outbox, acks: JournaledAcks::default() };
         let admission = Admission {
             requests: Arc::new(Semaphore::new(self.max_in_flight)),
             bytes: Arc::new(Semaphore::new(self.max_bytes_in_flight)),
@@ -246,6 +246,10 @@ impl MqttService {
         tokio::pin!(shutdown);
         let mut stats_tick = tokio::time::interval(self.stats_interval.unwrap_or(Duration::from_secs(3600)));
         stats_tick.tick().await;
+        // Acknowledgements that waited `SYNC_WAIT` for the journal go after
+        // their replies: looked for twice a wait.
+        let mut overdue = tokio::time::interval(acks::SYNC_WAIT / 2);
+        overdue.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let unacknowledged = metrics::gauge!(crate::telemetry::MQTT_UNACKNOWLEDGED);
         let outbox_held = metrics::gauge!(crate::telemetry::MQTT_OUTBOX);
         loop {
@@ -272,6 +276,14 @@ impl MqttService {
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
                 Some(done) = finished.recv() => {
                     conn.finished(done);
+                    continue;
+                }
+                _ = journal_synced(&self.journal), if !conn.acks.is_empty() => {
+                    conn.acknowledge_synced(&self.journal);
+                    continue;
+                }
+                _ = overdue.tick(), if !conn.acks.is_empty() => {
+                    conn.acks.overdue(std::time::Instant::now(), conn.link.session());
                     continue;
                 }
                 // Only while connected: while the broker is away they wait
@@ -374,14 +386,39 @@ impl MqttService {
                 }
                 Event::Publish { arrival, publish } => {
                     let admitted = admission.admit(publish.payload.len());
+                    // The node's own topic only: a share group's request an
+                    // old session still delivers here stays unacknowledged
+                    // until answered. A refused one is answered at once.
+                    let own = self.topics.is_node_request(&publish.topic);
+                    let kept = match own && publish.qos != QoS::AtMostOnce && admitted.is_ok() {
+                        true => conn.outbox.keep(&publish),
+                        false => Kept::NotKept,
+                    };
+                    let (arrival, journaled) = match (kept, arrival) {
+                        (Kept::Duplicate, arrival) => {
+                            tracing::debug!(
+                                "a re-delivery of a journaled request; acknowledged, not run again"
+                            );
+                            if let Some(arrival) = arrival {
+                                conn.link.session().acknowledge(arrival);
+                            }
+                            continue;
+                        }
+                        (Kept::Journaled { seq }, arrival) => {
+                            if let Some(arrival) = arrival {
+                                conn.acks.push(seq, arrival);
+                            }
+                            (None, Some(seq))
+                        }
+                        (Kept::NotKept, arrival) => (arrival, None),
+                    };
                     let slot = AckSlot::new(arrival, finished_tx.clone());
                     let task = RequestTask {
                         engine: self.engine.clone(),
                         topics: self.topics.clone(),
                         max_reply: conn.outbox.max_packet(),
                         reply_qos: self.reply_qos,
-                        journal: self.journal.clone(),
-                        replayed: None,
+                        journaled,
                     };
                     tasks.spawn(async move {
                         let refusal = admitted.as_ref().err().cloned();
@@ -450,8 +487,7 @@ impl MqttService {
                 topics: self.topics.clone(),
                 max_reply: max_reply.clone(),
                 reply_qos: self.reply_qos,
-                journal: None,
-                replayed: Some(waiting.seq),
+                journaled: Some(waiting.seq),
             };
             let (admission, slot) = (admission.clone(), AckSlot::new(None, finished_tx.clone()));
             let (admitted_tx, admitted_rx) = tokio::sync::oneshot::channel();
@@ -500,7 +536,7 @@ impl MqttService {
                 conn.finished(done);
             }
             conn.flush_journal();
-            if tasks.is_empty() && conn.outbox.len() == 0 {
+            if tasks.is_empty() && conn.outbox.len() == 0 && conn.acks.is_empty() {
                 break;
             }
             if !conn.link.is_open() {
@@ -516,6 +552,9 @@ impl MqttService {
             tokio::select! {
                 _ = tasks.join_next(), if !tasks.is_empty() => {}
                 Some(done) = finished.recv() => conn.finished(done),
+                _ = journal_synced(&self.journal), if !conn.acks.is_empty() => {
+                    conn.acknowledge_synced(&self.journal);
+                }
                 event = conn.link.next() => match event {
                     // Left with the broker: never acknowledged.
                     Event::Publish { .. } => held_back += 1,
@@ -642,11 +681,12 @@ impl MqttService {
     }
 }
 
-/// The connection as the loop holds it: the session on its socket and the
-/// notes of what it published.
+/// The connection as the loop holds it: the session on its socket, the
+/// notes of what it published and the journaled requests' place in line.
 struct Connection {
     link: Driver,
     outbox: Outbox,
+    acks: JournaledAcks,
 }
 
 impl Connection {
@@ -656,8 +696,16 @@ impl Connection {
     /// hands those over before it writes): one write for what the socket
     /// brought.
     fn flush_journal(&mut self) {
-        if !self.link.session().has_events() {
-            self.outbox.flush_journal(self.link.session());
+        if !self.link.session().has_events() && !self.outbox.flush_journal(self.link.session()) {
+            self.acks.not_written(self.link.session());
+        }
+    }
+
+    /// The journal's sync got further: the requests it made durable are
+    /// acknowledged, in arrival order.
+    fn acknowledge_synced(&mut self, journal: &Option<Journal>) {
+        if let Some(journal) = journal {
+            self.acks.synced(journal.synced_through(), self.link.session());
         }
     }
 
@@ -679,6 +727,17 @@ impl Connection {
         if let Some(arrival) = done.arrival {
             self.link.session().acknowledge_after(arrival, reply);
         }
+        if let Some(seq) = done.journaled {
+            self.acks.replied(seq, reply, self.link.session());
+        }
+    }
+}
+
+/// Resolves when the journal's sync got further, or never without one.
+async fn journal_synced(journal: &Option<Journal>) {
+    match journal {
+        Some(journal) => journal.synced().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -745,46 +804,18 @@ struct RequestTask {
     max_reply: Arc<AtomicUsize>,
     /// `mqtt.reply_qos`.
     reply_qos: QoS,
-    /// Journals the request before it runs (the node's own topic only).
-    journal: Option<Journal>,
-    /// The journal's seq of a request run again at a start.
-    replayed: Option<u64>,
+    /// The journal's seq of the request (kept by the loop, or run again at
+    /// a start): whatever becomes of it ends it in the journal.
+    journaled: Option<u64>,
 }
 
-/// A re-delivery of a request the journal holds or answered.
-struct Duplicate;
-
 impl RequestTask {
-    /// Journals the request (QoS 1 or 2, with a journal): `Ok` with what
-    /// says when it is durable, or `Ok(None)` when it is not journaled (it
-    /// is acknowledged after its reply then).
-    fn keep(&self, publish: &Publish, ack: &mut AckSlot) -> Result<Option<Durable>, Duplicate> {
-        if self.replayed.is_some() {
-            return Ok(None);
-        }
-        // The node's own topic only: a share group's request an old
-        // session still delivers here stays unacknowledged until answered.
-        let own = self.topics.is_node_request(&publish.topic);
-        let Some(journal) = self.journal.as_ref().filter(|_| own && publish.qos != QoS::AtMostOnce) else {
-            return Ok(None);
-        };
-        match journal.keep(publish) {
-            Kept::Journaled { seq, durable } => {
-                ack.journaled(seq);
-                Ok(Some(durable))
-            }
-            Kept::Duplicate => Err(Duplicate),
-            Kept::NotKept => Ok(None),
-        }
-    }
-
     /// Answers one request, handing its reply (or none, with nowhere to
     /// send one) back to the loop, which acknowledges the request after it.
     /// `admitted` (its admission permits) goes with the reply.
     async fn handle<A>(self, publish: Publish, refusal: Option<InferError>, mut ack: AckSlot, admitted: A) {
-        if let Some(seq) = self.replayed {
-            // Whatever becomes of it now (even dropped, for a reply topic
-            // the config no longer allows) ends it in the journal.
+        if let Some(seq) = self.journaled {
+            // Even dropped, for a reply topic the config no longer allows.
             ack.journaled(seq);
         }
         let topic = String::from_utf8_lossy(&publish.topic).into_owned();
@@ -824,7 +855,7 @@ impl RequestTask {
         let device = Some(destination.as_str());
         let envelope = Envelope { transport: "mqtt", device, ..Envelope::model(model.unwrap_or("")) };
         let mut first_reply_pending = None;
-        let (reply, durable) = match (decoded, refusal) {
+        let reply = match (decoded, refusal) {
             (Ok(decoded), _) => {
                 let route = ReplyRoute {
                     topic: destination.clone(),
@@ -836,27 +867,14 @@ impl RequestTask {
                 let route = FollowUpTo { route, after };
                 let deadline = props.message_expiry_interval.map(|s| Duration::from_secs(s as u64));
                 let envelope = Envelope { deadline, follow_up: Some(&route), ..envelope };
-                let durable = match self.keep(&publish, &mut ack) {
-                    Ok(durable) => durable,
-                    Err(Duplicate) => {
-                        tracing::debug!(
-                            "a re-delivery of a journaled request on {topic}; acknowledged, not run again"
-                        );
-                        ack.send(None);
-                        return;
-                    }
-                };
-                ack.acknowledge_when(durable, self.engine.answer(envelope, decoded, encoding)).await
+                self.engine.answer(envelope, decoded, encoding).await
             }
-            (Err(peek), Some(refusal)) => (self.engine.reject(envelope, peek.id, encoding, refusal), None),
-            (Err(peek), None) => (
-                self.engine.reject(
-                    envelope,
-                    peek.id,
-                    encoding,
-                    InferError::unknown_model(format!("topic {topic} does not name a model")),
-                ),
-                None,
+            (Err(peek), Some(refusal)) => self.engine.reject(envelope, peek.id, encoding, refusal),
+            (Err(peek), None) => self.engine.reject(
+                envelope,
+                peek.id,
+                encoding,
+                InferError::unknown_model(format!("topic {topic} does not name a model")),
             ),
         };
         if let Err(code) = reply.outcome {
@@ -880,7 +898,9 @@ impl RequestTask {
         }
         // A follow-up to this request goes out only once the session has this
         // reply: the outbox releases the guard then.
-        let reply = Reply { publish, id: reply.id };
-        ack.send_then_acknowledge(reply, first_reply_pending, durable, admitted).await;
+        ack.send_reply(Reply { publish, id: reply.id }, first_reply_pending);
+        // Let go with the reply: what waits for the journal's sync is
+        // bounded by the broker's window, not by `mqtt.max_in_flight`.
+        drop(admitted);
     }
 }

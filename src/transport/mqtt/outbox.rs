@@ -17,7 +17,7 @@
 //! new process does not know would count against the broker's Receive
 //! Maximum for ever, and a new publish under it would be taken for the old.
 
-use super::journal::{InFlight, Journal, SentReply};
+use super::journal::{InFlight, Journal, Kept, SentReply};
 use super::session::{Event, Session};
 use crate::protocol::Delivery;
 use crate::telemetry;
@@ -71,6 +71,9 @@ pub struct Outbox {
     confirming: Vec<u16>,
     /// Something was recorded since the last `flush_journal`.
     dirty: bool,
+    /// A record that must be written before the driver writes again (a
+    /// reply `Sent`, a PUBREC `Released`) was recorded since.
+    urgent: bool,
 }
 
 impl Default for Outbox {
@@ -83,6 +86,7 @@ impl Default for Outbox {
             releasing: Vec::new(),
             confirming: Vec::new(),
             dirty: false,
+            urgent: false,
         }
     }
 }
@@ -113,11 +117,30 @@ impl Outbox {
         }
     }
 
+    /// Journals a request the loop hands to its task: recorded now,
+    /// written by the sync thread, or by `flush_journal` if a record that
+    /// must go first (its reply `Sent`) comes before.
+    pub fn keep(&mut self, request: &Publish) -> Kept {
+        let Some(journal) = &self.journal else { return Kept::NotKept };
+        let kept = journal.keep(request);
+        self.dirty |= matches!(kept, Kept::Journaled { .. });
+        kept
+    }
+
     /// Writes what was recorded since the last call, then lets go what
     /// waited for it: PUBRELs, and the spool entries of follow-ups the
     /// journal now holds. The loop calls it before the driver writes.
-    pub fn flush_journal(&mut self, session: &mut Session) {
-        let Some(journal) = self.journal.as_ref().filter(|_| std::mem::take(&mut self.dirty)) else { return };
+    /// Requests and answers alone are left to the sync thread to write
+    /// with its next sync (`Journal::write_soon`). `false` when the write
+    /// failed (its requests were not journaled).
+    pub fn flush_journal(&mut self, session: &mut Session) -> bool {
+        let Some(journal) = self.journal.as_ref().filter(|_| std::mem::take(&mut self.dirty)) else {
+            return true;
+        };
+        if !std::mem::take(&mut self.urgent) {
+            journal.write_soon();
+            return true;
+        }
         let written = journal.flush();
         for pkid in self.releasing.drain(..) {
             session.release(pkid);
@@ -129,6 +152,7 @@ impl Outbox {
                 delivery.confirm();
             }
         }
+        written
     }
 
     /// Replies a previous run journaled `Sent` and never saw confirmed:
@@ -181,7 +205,7 @@ impl Outbox {
                         // Failing: it goes as a plain QoS 2 publish.
                         None => self.releasing.push(pkid),
                     }
-                    self.dirty = true;
+                    (self.dirty, self.urgent) = (true, true);
                 }
                 self.notes.insert(pkid, note);
                 Some(pkid)
@@ -202,7 +226,7 @@ impl Outbox {
                     journal.released(*seq);
                 }
                 self.releasing.push(*pkid);
-                self.dirty = true;
+                (self.dirty, self.urgent) = (true, true);
             }
             Event::Delivered { pkid } => {
                 let sent = self.sent.remove(pkid);

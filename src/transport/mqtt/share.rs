@@ -343,8 +343,7 @@ impl Line {
             reply_qos: QoS::AtLeastOnce,
             // Unjournaled: unacknowledged until answered, a request goes to
             // another member of the group if this node dies.
-            journal: None,
-            replayed: None,
+            journaled: None,
         };
         self.tasks.spawn(async move {
             let refusal = admitted.as_ref().err().cloned();

@@ -357,6 +357,11 @@ impl Log {
         Ok(())
     }
 
+    /// The seq of the last record encoded (0: none yet).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
     /// Whether records wait for `write`.
     pub fn has_buffered(&self) -> bool {
         !self.buffer.is_empty()

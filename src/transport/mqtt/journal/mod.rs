@@ -5,25 +5,28 @@
 //! arrival order), and a request the node dies on is run again at the next
 //! start from the journal instead of from the broker.
 //!
-//! The request task that takes a request writes its record itself, under
-//! the journal's lock, with the answers recorded since the last write: one
-//! `write` call, no thread between the request and the disk (a hop to a
-//! writer thread and back cost the node a quarter of its saturated
-//! throughput on a 2-core gateway). Its reply may go once that returns (a
-//! kill -9 keeps what the kernel has). A sync thread syncs
-//! (`mqtt.journal.fsync`: a power cut keeps it), once for every request
-//! written in `mqtt.journal.commit_window_ms`, and only then may their
-//! acknowledgements go. The broker's confirmation of a reply is recorded
-//! `Answered` in memory and written by the MQTT loop once it has handled
-//! what the socket brought (`Journal::flush`), or with the next request.
-//! At a start the journaled requests without `Answered` run again. A
-//! re-delivery (DUP) of a request the journal holds or answered is
-//! acknowledged and not run.
+//! The loop of the node's own connection records each request as it hands
+//! it to its task (in memory). A sync thread, woken by the first record
+//! and waiting `mqtt.journal.commit_window_ms` for more, writes what was
+//! recorded in one `write` (a kill -9 keeps what the kernel has), syncs
+//! (`mqtt.journal.fsync`: a power cut keeps it) and then publishes how far
+//! it got (`Journal::synced_through`), waking the loop once: it
+//! acknowledges every request up to there, in arrival order
+//! (`acks::JournaledAcks`). One write, one sync and one wake-up a window,
+//! not a write and two hand-offs a request: at one request in flight
+//! those cost the node half again its CPU per request. The broker's
+//! confirmation of a reply is recorded `Answered` in memory and written
+//! the same way. At a start the journaled requests without `Answered` run
+//! again. A re-delivery (DUP) of a request the journal holds or answered
+//! is acknowledged and not run. A request unacknowledged is the broker's
+//! to deliver again: if the node dies before its record is written, it
+//! comes back from the broker, not the journal.
 //!
 //! With `mqtt.reply_qos = 2` the journal keeps the replies too: the MQTT
 //! loop records each reply (and follow-up) `Sent` with its packet id
-//! before the write that carries it (`Journal::sent`, one write for all a
-//! wakeup sends), `Released` before its PUBREL, `Answered` at PUBCOMP. A
+//! and writes it itself before the socket write that carries it
+//! (`Journal::flush`, one write for all a wakeup sends, with the requests
+//! recorded before), `Released` before its PUBREL, `Answered` at PUBCOMP. A
 //! start sends each reply not `Answered` again under its packet id
 //! (`Recovered::replies`), so a kill -9 between a reply and the record of
 //! its confirmation no longer answers twice. These records are written
@@ -42,14 +45,11 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::oneshot;
 
 /// What tells a re-delivery from a new request: a hash of what the device
 /// sent (topic, payload, reply topic, correlation data). Never stored: a
@@ -180,7 +180,7 @@ pub struct JournalOptions {
     pub dir: PathBuf,
     pub max_bytes: u64,
     pub fsync: bool,
-    /// How long the sync thread gathers requests written before one sync.
+    /// How long the sync thread gathers records before one write and sync.
     pub commit_window: Duration,
     /// Keys of answered requests remembered to tell re-deliveries.
     pub answered_capacity: usize,
@@ -188,48 +188,25 @@ pub struct JournalOptions {
 
 /// The journal's answer to a request.
 pub enum Kept {
-    /// Journaled and written: its reply may go; `durable` says when it is
-    /// synced (its acknowledgement may go then).
-    Journaled { seq: u64, durable: Durable },
-    /// A re-delivery of a request the journal holds or answered: acknowledge
-    /// it and run nothing.
+    /// Recorded as `seq`: written with the loop's next write, before
+    /// anything the request causes can leave; its acknowledgement may go
+    /// once `Journal::synced_through` reaches `seq`.
+    Journaled { seq: u64 },
+    /// A re-delivery of a request the journal holds or answered:
+    /// acknowledge it and run nothing.
     Duplicate,
     /// Not journaled (no room within `max_bytes`, or the disk failed): the
     /// request is acknowledged after its reply, as without a journal.
     NotKept,
 }
 
-/// How long a request's acknowledgement waits for the journal's sync
-/// before it goes after its reply instead: a hung disk must not hold the
-/// requests on the node's own topic (their admission permits) for ever.
-const SYNC_WAIT: Duration = Duration::from_secs(2);
-
-/// Resolves `true` once the journal has synced a request, `false` if the
-/// sync failed or took longer than `SYNC_WAIT`.
-pub struct Durable {
-    synced: oneshot::Receiver<()>,
-    give_up: Pin<Box<tokio::time::Sleep>>,
-}
-
-impl Durable {
-    fn new(synced: oneshot::Receiver<()>) -> Durable {
-        Durable { synced, give_up: Box::pin(tokio::time::sleep(SYNC_WAIT)) }
-    }
-}
-
-impl Future for Durable {
-    type Output = bool;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<bool> {
-        if let Poll::Ready(synced) = Pin::new(&mut self.synced).poll(cx) {
-            return Poll::Ready(synced.is_ok());
-        }
-        if self.give_up.as_mut().poll(cx).is_ready() {
-            metrics::counter!(crate::telemetry::JOURNAL_NOT_KEPT, "reason" => "slow").increment(1);
-            return Poll::Ready(false);
-        }
-        Poll::Pending
-    }
+/// How far the sync thread got: every record up to `synced` is on disk
+/// (without fsync: its window passed); every record up to `failed` was in
+/// a group whose sync failed. Both only grow.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SyncedThrough {
+    pub synced: u64,
+    pub failed: u64,
 }
 
 /// A handle to the journal.
@@ -239,15 +216,25 @@ pub struct Journal {
 }
 
 struct Shared {
-    log: Mutex<Log>,
+    /// Also the sync thread's, which writes what need not wait (below).
+    log: Arc<Mutex<Log>>,
     /// To the sync thread.
     to_sync: std_mpsc::Sender<SyncJob>,
+    progress: Arc<Progress>,
 }
 
-/// Files written and the requests that wait for them to be synced.
+/// The sync thread's side of `SyncedThrough`, and the wake-up it gives.
+#[derive(Default)]
+struct Progress {
+    synced: AtomicU64,
+    failed: AtomicU64,
+    woken: tokio::sync::Notify,
+}
+
+/// Files written, and the last seq written to them.
 struct SyncJob {
     files: Vec<Arc<File>>,
-    durable: Option<oneshot::Sender<()>>,
+    through: u64,
 }
 
 /// The sync thread, to wait for once every `Journal` is dropped.
@@ -281,20 +268,23 @@ impl Journal {
         // rather than one by one ahead of their replies.
         let (to_sync, rx) = std_mpsc::channel();
         let (window, fsync) = (options.commit_window, options.fsync);
+        let progress = Arc::new(Progress::default());
+        let log = Arc::new(Mutex::new(log));
+        let syncer = Syncer { log: log.clone(), progress: progress.clone(), window, fsync };
         let thread = std::thread::Builder::new()
             .name("journal-sync".into())
-            .spawn(move || sync_loop(rx, window, fsync))
+            .spawn(move || syncer.run(rx))
             .map_err(|e| JournalError::io(&options.dir, e))?;
-        let shared = Arc::new(Shared { log: Mutex::new(log), to_sync });
+        let shared = Arc::new(Shared { log, to_sync, progress });
         Ok((Journal { shared }, recovered, JournalThread(Some(thread))))
     }
 
     fn log(&self) -> std::sync::MutexGuard<'_, Log> {
-        self.shared.log.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.shared.log)
     }
 
-    /// Journals `publish` (a request on the node's own topic): written when
-    /// this returns, synced when its `durable` says so.
+    /// Journals `publish` (a request on the node's own topic): recorded,
+    /// written by the next `flush` or `write_soon`.
     pub fn keep(&self, publish: &Publish) -> Kept {
         let request = Request::from_publish(publish);
         let key = request.key();
@@ -306,20 +296,25 @@ impl Journal {
         if log.failing {
             return not_kept("error");
         }
-        let Some(seq) = log.arrived(key, &request) else { return not_kept("full") };
-        if let Err(e) = log.write() {
-            // Nothing of this write was journaled (the log undid it), and
-            // nothing more is until a restart reads what is whole.
-            tracing::error!("{e}; requests are acknowledged after their reply until the node restarts");
-            log.failing = true;
-            return not_kept("error");
+        match log.arrived(key, &request) {
+            Some(seq) => Kept::Journaled { seq },
+            None => not_kept("full"),
         }
-        metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
-        let (tx, rx) = oneshot::channel();
-        let files = log.take_unsynced();
-        drop(log);
-        let _ = self.shared.to_sync.send(SyncJob { files, durable: Some(tx) });
-        Kept::Journaled { seq, durable: Durable::new(rx) }
+    }
+
+    /// How far the sync thread got.
+    pub fn synced_through(&self) -> SyncedThrough {
+        let progress = &self.shared.progress;
+        SyncedThrough {
+            synced: progress.synced.load(Ordering::Acquire),
+            failed: progress.failed.load(Ordering::Acquire),
+        }
+    }
+
+    /// Resolves once the sync thread got further than when it last woke
+    /// someone (at once if it did since).
+    pub async fn synced(&self) {
+        self.shared.progress.woken.notified().await
     }
 
     /// The broker confirmed request `seq`'s final reply (or it will never
@@ -342,27 +337,46 @@ impl Journal {
         self.log().released(seq);
     }
 
-    /// Writes what was recorded since the last write (answers, replies
-    /// sent, releases); the sync thread syncs it soon after. `false` once
-    /// a write failed, this one or an earlier one (whose replies `Sent`
-    /// were dropped with it): the journal then keeps nothing more
-    /// (requests are acknowledged after their reply, replies go
-    /// unjournaled) until a restart.
+    /// Has the sync thread write what was recorded (requests, answers)
+    /// within `commit_window`, with its sync: nothing waits for these
+    /// records but acknowledgements, which wait for the sync anyway, so
+    /// the loop makes no `write` for them (at one request in flight two
+    /// writes a request were a third of the node's CPU). A request's reply
+    /// may go before its record is written: a crash before then leaves the
+    /// request unacknowledged, for the broker to deliver again, as
+    /// without a journal.
+    pub fn write_soon(&self) {
+        let _ = self.shared.to_sync.send(SyncJob { files: Vec::new(), through: 0 });
+    }
+
+    /// Writes what was recorded since the last write (requests, answers,
+    /// replies sent, releases) now, for what must not go before its
+    /// record: a QoS 2 reply, a PUBREL. The sync thread syncs it soon
+    /// after.
+    /// `false` once a write failed, this one or an earlier one (whose
+    /// requests and replies `Sent` were dropped with it): the journal then
+    /// keeps nothing more (requests are acknowledged after their reply,
+    /// replies go unjournaled) until a restart.
     pub fn flush(&self) -> bool {
         let mut log = self.log();
         if !log.has_buffered() {
             return !log.failing;
         }
         if let Err(e) = log.write() {
-            // As in `keep`: what a failing disk wrote cannot be trusted
-            // until a restart reads what is whole.
-            tracing::error!("{e}; the journal keeps nothing more until the node restarts");
+            // What a failing disk wrote cannot be trusted until a restart
+            // reads what is whole: nothing of this write was journaled
+            // (the log undid it), and nothing more is.
+            tracing::error!(
+                "{e}; the journal keeps nothing more until the node restarts (requests are acknowledged \
+                 after their reply)"
+            );
             log.failing = true;
             return false;
         }
-        let (files, whole) = (log.take_unsynced(), !log.failing);
+        metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
+        let (files, through, whole) = (log.take_unsynced(), log.last_seq(), !log.failing);
         drop(log);
-        let _ = self.shared.to_sync.send(SyncJob { files, durable: None });
+        let _ = self.shared.to_sync.send(SyncJob { files, through });
         whole
     }
 }
@@ -370,39 +384,78 @@ impl Journal {
 impl Drop for Shared {
     /// The last answers, written and synced before the process exits.
     fn drop(&mut self) {
-        let log = self.log.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut log = lock(&self.log);
         let _ = log.write();
-        let _ = self.to_sync.send(SyncJob { files: log.take_unsynced(), durable: None });
+        let _ = self.to_sync.send(SyncJob { files: log.take_unsynced(), through: log.last_seq() });
     }
 }
 
-/// The sync thread: gathers what is written for `window`, syncs each file
-/// once (with `fsync`), then the acknowledgements of every request in it
-/// may go. A failed sync leaves them to go after their replies (the
-/// records are written: a crash of the node keeps them; a power cut may
-/// not).
-fn sync_loop(rx: std_mpsc::Receiver<SyncJob>, window: Duration, fsync: bool) {
-    while let Ok(job) = rx.recv() {
-        if !window.is_zero() {
-            std::thread::sleep(window);
-        }
-        let mut jobs = vec![job];
-        jobs.extend(rx.try_iter());
-        // `FAILPOINTS=journal_sync=sleep(MS)`: a slow disk, for the tests.
-        fail::fail_point!("journal_sync");
-        let mut files: Vec<&Arc<File>> = Vec::new();
-        for file in jobs.iter().flat_map(|j| &j.files) {
-            if !files.iter().any(|f| Arc::ptr_eq(f, file)) {
-                files.push(file);
+fn lock(log: &Mutex<Log>) -> std::sync::MutexGuard<'_, Log> {
+    log.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The sync thread.
+struct Syncer {
+    log: Arc<Mutex<Log>>,
+    progress: Arc<Progress>,
+    window: Duration,
+    fsync: bool,
+}
+
+impl Syncer {
+    /// Gathers what is written for `window` after the first job, writes
+    /// what waits to be written (`Journal::write_soon`), syncs each file
+    /// once (with `fsync`), then publishes how far that got and wakes the
+    /// loop that acknowledges. A failed write or sync is published as
+    /// such: those requests are acknowledged after their replies (a
+    /// record written survives a crash of the node; a power cut may not).
+    fn run(self, rx: std_mpsc::Receiver<SyncJob>) {
+        while let Ok(job) = rx.recv() {
+            if !self.window.is_zero() {
+                std::thread::sleep(self.window);
             }
-        }
-        match files.iter().filter(|_| fsync).try_for_each(|f| f.sync_data()) {
-            Ok(()) => jobs.into_iter().filter_map(|j| j.durable).for_each(|tx| {
-                let _ = tx.send(());
-            }),
-            Err(e) => tracing::error!(
-                "the request journal cannot sync: {e}; the requests of this group are acknowledged after their reply"
-            ),
+            let mut jobs = vec![job];
+            jobs.extend(rx.try_iter());
+            let mut through = jobs.iter().map(|j| j.through).max().unwrap_or(0);
+            let mut files: Vec<Arc<File>> = jobs.into_iter().flat_map(|j| j.files).collect();
+            let written = {
+                let mut log = lock(&self.log);
+                let written = match log.write() {
+                    Ok(()) => !log.failing,
+                    Err(e) => {
+                        tracing::error!(
+                            "{e}; the journal keeps nothing more until the node restarts (requests are \
+                             acknowledged after their reply)"
+                        );
+                        log.failing = true;
+                        false
+                    }
+                };
+                metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
+                files.extend(log.take_unsynced());
+                through = through.max(log.last_seq());
+                written
+            };
+            let mut unique: Vec<Arc<File>> = Vec::with_capacity(files.len());
+            for file in files {
+                if !unique.iter().any(|u| Arc::ptr_eq(u, &file)) {
+                    unique.push(file);
+                }
+            }
+            // `FAILPOINTS=journal_sync=sleep(MS)`: a slow disk, for the tests.
+            fail::fail_point!("journal_sync");
+            let synced = unique.iter().filter(|_| self.fsync).try_for_each(|f| f.sync_data());
+            if let Err(e) = &synced {
+                tracing::error!(
+                    "the request journal cannot sync: {e}; the requests of this group are acknowledged after \
+                     their reply"
+                );
+            }
+            match written && synced.is_ok() {
+                true => self.progress.synced.fetch_max(through, Ordering::Release),
+                false => self.progress.failed.fetch_max(through, Ordering::Release),
+            };
+            self.progress.woken.notify_one();
         }
     }
 }
@@ -439,10 +492,16 @@ mod tests {
         publish
     }
 
-    async fn journaled(kept: Kept) -> u64 {
+    /// The seq of a request kept, once written and synced.
+    async fn journaled(journal: &Journal, kept: Kept) -> u64 {
         match kept {
-            Kept::Journaled { seq, durable } => {
-                assert!(durable.await, "synced");
+            Kept::Journaled { seq } => {
+                // Written by the sync thread, with its sync.
+                journal.write_soon();
+                while journal.synced_through().synced < seq {
+                    journal.synced().await;
+                }
+                assert_eq!(journal.synced_through().failed, 0);
                 seq
             }
             Kept::Duplicate => panic!("a duplicate"),
@@ -458,15 +517,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (journal, recovered, thread) = Journal::open(options(dir.path())).unwrap();
         assert!(recovered.requests.is_empty());
-        let first = journaled(journal.keep(&publish(1, false))).await;
+        let first = journaled(&journal, journal.keep(&publish(1, false))).await;
         assert!(matches!(journal.keep(&publish(1, true)), Kept::Duplicate), "held: a re-delivery");
-        let again = journaled(journal.keep(&publish(1, false))).await;
+        let again = journaled(&journal, journal.keep(&publish(1, false))).await;
         assert_ne!(first, again, "sent again by the device: a request of its own");
-        let other = journaled(journal.keep(&publish(2, false))).await;
+        let other = journaled(&journal, journal.keep(&publish(2, false))).await;
         journal.answered(first);
         journal.answered(again);
         assert!(matches!(journal.keep(&publish(1, true)), Kept::Duplicate), "answered: a re-delivery");
-        let third = journaled(journal.keep(&publish(3, true))).await;
+        let third = journaled(&journal, journal.keep(&publish(3, true))).await;
         drop(journal);
         thread.finish(Duration::from_secs(5));
         let (_journal, recovered, _thread) = Journal::open(options(dir.path())).unwrap();

@@ -28,7 +28,7 @@ mod driver;
 mod inflight;
 mod state;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod timers;
 
 pub use backoff::Backoff;

@@ -1,6 +1,7 @@
 //! The session against a scripted broker and a fake clock: exact packets
 //! for each rule, then random interleavings (proptest) checked against the
-//! rules a broker enforces.
+//! rules a broker enforces. The helpers are the crate's, for the tests of
+//! what sits on the session (`acks.rs`).
 
 use super::*;
 use bytes::{Bytes, BytesMut};
@@ -64,7 +65,7 @@ fn bytes_of(packets: &[Packet]) -> BytesMut {
 }
 
 /// Everything the session writes now, decoded; and how many writes it took.
-fn written(session: &mut Session, now: Instant) -> Vec<Packet> {
+pub(crate) fn written(session: &mut Session, now: Instant) -> Vec<Packet> {
     let mut buf = BytesMut::new();
     let n = session.poll_transmit(&mut buf);
     session.wrote(now, n);
@@ -85,11 +86,11 @@ fn decode_all(buf: &mut BytesMut) -> Vec<Packet> {
     out
 }
 
-fn events(session: &mut Session) -> Vec<Event> {
+pub(crate) fn events(session: &mut Session) -> Vec<Event> {
     std::iter::from_fn(|| session.poll_event()).collect()
 }
 
-fn feed(session: &mut Session, now: Instant, packets: &[Packet]) {
+pub(crate) fn feed(session: &mut Session, now: Instant, packets: &[Packet]) {
     session.handle_read(now, &bytes_of(packets));
 }
 
@@ -97,7 +98,7 @@ fn publish(topic: &str, qos: QoS, payload: &str) -> Publish {
     Publish::new(topic, qos, payload.to_string(), None)
 }
 
-fn broker_publish(pkid: u16, qos: QoS, payload: &str) -> Packet {
+pub(crate) fn broker_publish(pkid: u16, qos: QoS, payload: &str) -> Packet {
     let mut p = publish("edgeinfer/node/infer/m", qos, payload);
     p.pkid = pkid;
     Packet::Publish(p)
@@ -115,7 +116,7 @@ fn resent(packets: &[Packet]) -> Vec<(u16, bool, &'static str)> {
         .collect()
 }
 
-fn up(receive_max: Option<u16>) -> (Session, Instant) {
+pub(crate) fn up(receive_max: Option<u16>) -> (Session, Instant) {
     let now = Instant::now();
     let mut session = Session::new(options());
     session.connect(now);
