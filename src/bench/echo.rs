@@ -21,20 +21,27 @@ pub enum EchoClient {
     Session,
 }
 
-/// Subscribes to `topic` and replies to each request's Response Topic with
-/// its payload and Correlation Data. Returns once subscribed; runs until the
-/// process ends.
-pub async fn run_echo(url: &str, topic: &str, qos1: bool, on: EchoClient) -> Result<(), BenchError> {
-    let qos = if qos1 { QoS::AtLeastOnce } else { QoS::AtMostOnce };
+/// Subscribes to `topic` at `qos` and replies to each request's Response
+/// Topic with its payload and Correlation Data, at `reply_qos` (QoS 2: the
+/// floor of a node with `mqtt.reply_qos = 2`, whose replies a broker
+/// delivers once it has the PUBREL). Returns once subscribed; runs until
+/// the process ends.
+pub async fn run_echo(
+    url: &str,
+    topic: &str,
+    qos: QoS,
+    reply_qos: QoS,
+    on: EchoClient,
+) -> Result<(), BenchError> {
     let id = format!("edgeinfer-bench-echo-{}", std::process::id());
     if on == EchoClient::Session {
-        return echo_on_session(url, &id, topic, qos).await;
+        return echo_on_session(url, &id, topic, qos, reply_qos).await;
     }
     let (client, mut inbox) = subscribed(url, &id, topic, qos).await?;
     tokio::spawn(async move {
         while let Some(p) = inbox.recv().await {
             if let Some((reply_to, payload, props)) = echo_of(p) {
-                let _ = client.try_publish_with_properties(reply_to, qos, false, payload, props);
+                let _ = client.try_publish_with_properties(reply_to, reply_qos, false, payload, props);
             }
         }
     });
@@ -48,7 +55,13 @@ fn echo_of(request: Publish) -> Option<(String, bytes::Bytes, PublishProperties)
     Some((props.response_topic?, request.payload, reply))
 }
 
-async fn echo_on_session(url: &str, id: &str, topic: &str, qos: QoS) -> Result<(), BenchError> {
+async fn echo_on_session(
+    url: &str,
+    id: &str,
+    topic: &str,
+    qos: QoS,
+    reply_qos: QoS,
+) -> Result<(), BenchError> {
     let failed = |message: String| BenchError::Connect { url: url.into(), message };
     let config = MqttConfig { url: url.into(), session_expiry_s: 0, ..Default::default() };
     let options = Options { clean_start: true, ..session_options(&config, id, 16 << 20, u16::MAX)? };
@@ -75,7 +88,8 @@ async fn echo_on_session(url: &str, id: &str, topic: &str, qos: QoS) -> Result<(
             match echo.next().await {
                 Event::Publish { arrival, publish } => {
                     if let Some((reply_to, payload, props)) = echo_of(*publish) {
-                        let _ = echo.session().publish(Publish::new(reply_to, qos, payload, Some(props)));
+                        let _ =
+                            echo.session().publish(Publish::new(reply_to, reply_qos, payload, Some(props)));
                     }
                     if let Some(arrival) = arrival {
                         echo.session().acknowledge(arrival);

@@ -52,6 +52,11 @@ pub struct BenchArgs {
     /// packets at once).
     #[arg(long, value_enum, default_value = "rumqttc", requires = "echo")]
     echo_client: edgeinfer::bench::EchoClient,
+    /// With --echo: the QoS of the responder's replies (default: --qos).
+    /// 2 is the floor for a node with `mqtt.reply_qos = 2`: the broker
+    /// delivers a QoS 2 reply once it has the PUBREL, a round trip later.
+    #[arg(long, value_name = "QOS", requires = "echo", value_parser = clap::value_parser!(u8).range(0..=2))]
+    echo_reply_qos: Option<u8>,
     /// Make every request's input different (the default request with its
     /// first pixel set to the request number), so each misses the cache.
     #[arg(long, conflicts_with = "input")]
@@ -106,7 +111,10 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
     }
     let payload = payload(&args)?;
     if args.echo {
-        edgeinfer::bench::run_echo(&url, &topic, args.qos == 1, args.echo_client).await?;
+        use rumqttc::v5::mqttbytes::QoS;
+        let qos = |n: u8| [QoS::AtMostOnce, QoS::AtLeastOnce, QoS::ExactlyOnce][n.min(2) as usize];
+        let reply_qos = qos(args.echo_reply_qos.unwrap_or(args.qos));
+        edgeinfer::bench::run_echo(&url, &topic, qos(args.qos), reply_qos, args.echo_client).await?;
     }
     let options = BenchOptions {
         url,
