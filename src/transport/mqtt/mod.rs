@@ -515,7 +515,10 @@ impl MqttService {
 
     /// Finishes the requests in flight while the connection keeps carrying
     /// their replies, and waits for the broker to confirm what the outbox
-    /// holds; requests arriving meanwhile are left unacknowledged.
+    /// holds and for the journal to sync what it took (their
+    /// acknowledgements go then, or after their replies if the sync takes
+    /// over `SYNC_WAIT`); requests arriving meanwhile are left
+    /// unacknowledged.
     /// Follow-ups not confirmed by then stay in the spool for the next
     /// start.
     async fn drain(
@@ -536,6 +539,8 @@ impl MqttService {
                 conn.finished(done);
             }
             conn.flush_journal();
+            // A sync that hangs holds the drain no longer than the loop.
+            conn.acks.overdue(std::time::Instant::now(), conn.link.session());
             if tasks.is_empty() && conn.outbox.len() == 0 && conn.acks.is_empty() {
                 break;
             }
@@ -555,6 +560,7 @@ impl MqttService {
                 _ = journal_synced(&self.journal), if !conn.acks.is_empty() => {
                     conn.acknowledge_synced(&self.journal);
                 }
+                _ = tokio::time::sleep(acks::SYNC_WAIT / 4), if !conn.acks.is_empty() => {}
                 event = conn.link.next() => match event {
                     // Left with the broker: never acknowledged.
                     Event::Publish { .. } => held_back += 1,
