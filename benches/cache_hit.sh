@@ -19,13 +19,6 @@ for round in $(seq "$rounds"); do
   measure echo --echo
   row "broker echo floor" "$sat" "$low"
   for qos in 2 1; do
-    EDGEINFER_NODE__ID=ch EDGEINFER_NODE__STATE_DIR="$work/state-$qos-$round" EDGEINFER_MQTT__URL=$url \
-      EDGEINFER_HTTP__LISTEN= EDGEINFER_LOG=warn EDGEINFER_MQTT__REPLY_QOS=$qos \
-      "$bin" serve --models-dir models 2>"$work/node.log" &
-    node=$!
-    sleep 2
-    measure ch
-    kill -TERM $node && wait $node || true
-    row "node, cache hits, reply_qos $qos" "$sat" "$low"
+    node_row "node, cache hits, reply_qos $qos" ch EDGEINFER_MQTT__REPLY_QOS=$qos
   done
 done

@@ -20,14 +20,8 @@ echo "| --- | --- | --- | --- |"
 measure echo --echo
 row "broker echo floor" "$sat" "$low"
 for delay in 2000 0; do
-  EDGEINFER_NODE__ID=iw EDGEINFER_NODE__STATE_DIR="$work/state-$delay" EDGEINFER_MQTT__URL=$url \
-    EDGEINFER_HTTP__LISTEN= EDGEINFER_RUNTIME__MAX_DELAY_US=$delay EDGEINFER_CACHE__ENABLED=false EDGEINFER_LOG=warn \
-    "$bin" serve --models-dir models 2>"$work/node.log" &
-  node=$!
-  sleep 2
-  measure iw
-  kill -TERM $node && wait $node || true
-  row "node, max_batch 32, max_delay_us $delay" "$sat" "$low"
+  node_row "node, max_batch 32, max_delay_us $delay" iw \
+    EDGEINFER_RUNTIME__MAX_DELAY_US=$delay EDGEINFER_CACHE__ENABLED=false
 done
 if [ -n "${PEER_PYTHON:-}" ]; then
   "$PEER_PYTHON" benches/peer_python.py --url "$url" --node peer 2>"$work/peer.log" &

@@ -31,15 +31,7 @@ for round in $(seq "$rounds"); do
   for setup in "off 0 true 1" "on-no-fsync-qos1 67108864 false 1" "on-fsync-qos1 67108864 true 1" \
     "on-fsync-qos2-default 67108864 true 2"; do
     read -r name bytes fsync qos <<<"$setup"
-    EDGEINFER_NODE__ID=jn EDGEINFER_NODE__STATE_DIR="$work/state-$name-$round" EDGEINFER_MQTT__URL=$url \
-      EDGEINFER_HTTP__LISTEN= EDGEINFER_CACHE__ENABLED=false EDGEINFER_LOG=warn \
-      EDGEINFER_MQTT__JOURNAL__MAX_BYTES=$bytes EDGEINFER_MQTT__JOURNAL__FSYNC=$fsync \
-      EDGEINFER_MQTT__REPLY_QOS=$qos \
-      "$node_bin" serve --models-dir models 2>"$work/node.log" &
-    node=$!
-    sleep 2
-    measure jn
-    kill -TERM $node && wait $node || true
-    row "node, journal $name" "$sat" "$low"
+    node_row "node, journal $name" jn EDGEINFER_CACHE__ENABLED=false \
+      EDGEINFER_MQTT__JOURNAL__MAX_BYTES=$bytes EDGEINFER_MQTT__JOURNAL__FSYNC=$fsync EDGEINFER_MQTT__REPLY_QOS=$qos
   done
 done

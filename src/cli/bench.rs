@@ -111,8 +111,7 @@ async fn bench(config: &Config, args: BenchArgs) -> Result<i32> {
     }
     let payload = payload(&args)?;
     if args.echo {
-        use rumqttc::v5::mqttbytes::QoS;
-        let qos = |n: u8| [QoS::AtMostOnce, QoS::AtLeastOnce, QoS::ExactlyOnce][n.min(2) as usize];
+        let qos = |n: u8| rumqttc::v5::mqttbytes::qos(n).expect("a QoS of 0 to 2, as parsed");
         let reply_qos = qos(args.echo_reply_qos.unwrap_or(args.qos));
         edgeinfer::bench::run_echo(&url, &topic, qos(args.qos), reply_qos, args.echo_client).await?;
     }

@@ -37,7 +37,7 @@ use journal::{InFlight, Journal, Kept, Waiting};
 use outbox::{Note, Outbox, Reply};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Filter, LastWill, Publish, PublishProperties, SubscribeReasonCode};
-use session::{Backoff, Driver, Event, Session};
+use session::{Arrival, Backoff, Driver, Event, Session};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -390,28 +390,8 @@ impl MqttService {
                     // old session still delivers here stays unacknowledged
                     // until answered. A refused one is answered at once.
                     let own = self.topics.is_node_request(&publish.topic);
-                    let kept = match own && publish.qos != QoS::AtMostOnce && admitted.is_ok() {
-                        true => conn.outbox.keep(&publish),
-                        false => Kept::NotKept,
-                    };
-                    let (arrival, journaled) = match (kept, arrival) {
-                        (Kept::Duplicate, arrival) => {
-                            tracing::debug!(
-                                "a re-delivery of a journaled request; acknowledged, not run again"
-                            );
-                            if let Some(arrival) = arrival {
-                                conn.link.session().acknowledge(arrival);
-                            }
-                            continue;
-                        }
-                        (Kept::Journaled { seq }, arrival) => {
-                            if let Some(arrival) = arrival {
-                                conn.acks.push(seq, arrival);
-                            }
-                            (None, Some(seq))
-                        }
-                        (Kept::NotKept, arrival) => (arrival, None),
-                    };
+                    let journal = own && publish.qos != QoS::AtMostOnce && admitted.is_ok();
+                    let Some((arrival, journaled)) = conn.keep(&publish, arrival, journal) else { continue };
                     let slot = AckSlot::new(arrival, finished_tx.clone());
                     let task = RequestTask {
                         engine: self.engine.clone(),
@@ -704,6 +684,36 @@ impl Connection {
     fn flush_journal(&mut self) {
         if !self.link.session().has_events() && !self.outbox.flush_journal(self.link.session()) {
             self.acks.not_written(self.link.session());
+        }
+    }
+
+    /// Journals a request when `journal` says it may be (its place in
+    /// line then waits here for the sync): answers the arrival its task
+    /// acknowledges after its reply (none once journaled) and its seq, or
+    /// `None` for a re-delivery of a request the journal holds or
+    /// answered, acknowledged here and not run again.
+    fn keep(
+        &mut self,
+        publish: &Publish,
+        arrival: Option<Arrival>,
+        journal: bool,
+    ) -> Option<(Option<Arrival>, Option<u64>)> {
+        let kept = if journal { self.outbox.keep(publish) } else { Kept::NotKept };
+        match kept {
+            Kept::Duplicate => {
+                tracing::debug!("a re-delivery of a journaled request; acknowledged, not run again");
+                if let Some(arrival) = arrival {
+                    self.link.session().acknowledge(arrival);
+                }
+                None
+            }
+            Kept::Journaled { seq } => {
+                if let Some(arrival) = arrival {
+                    self.acks.push(seq, arrival);
+                }
+                Some((None, Some(seq)))
+            }
+            Kept::NotKept => Some((arrival, None)),
         }
     }
 

@@ -362,18 +362,9 @@ impl Journal {
         if !log.has_buffered() {
             return !log.failing;
         }
-        if let Err(e) = log.write() {
-            // What a failing disk wrote cannot be trusted until a restart
-            // reads what is whole: nothing of this write was journaled
-            // (the log undid it), and nothing more is.
-            tracing::error!(
-                "{e}; the journal keeps nothing more until the node restarts (requests are acknowledged \
-                 after their reply)"
-            );
-            log.failing = true;
+        if !write_recorded(&mut log) {
             return false;
         }
-        metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
         let (files, through, whole) = (log.take_unsynced(), log.last_seq(), !log.failing);
         drop(log);
         let _ = self.shared.to_sync.send(SyncJob { files, through });
@@ -392,6 +383,22 @@ impl Drop for Shared {
 
 fn lock(log: &Mutex<Log>) -> std::sync::MutexGuard<'_, Log> {
     log.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes what was recorded: whether that write went. What a failing disk
+/// wrote cannot be trusted until a restart reads what is whole: nothing of
+/// a failed write was journaled (the log undid it), and nothing more is.
+fn write_recorded(log: &mut Log) -> bool {
+    if let Err(e) = log.write() {
+        tracing::error!(
+            "{e}; the journal keeps nothing more until the node restarts (requests are acknowledged after \
+             their reply)"
+        );
+        log.failing = true;
+        return false;
+    }
+    metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
+    true
 }
 
 /// The sync thread.
@@ -420,18 +427,7 @@ impl Syncer {
             let mut files: Vec<Arc<File>> = jobs.into_iter().flat_map(|j| j.files).collect();
             let written = {
                 let mut log = lock(&self.log);
-                let written = match log.write() {
-                    Ok(()) => !log.failing,
-                    Err(e) => {
-                        tracing::error!(
-                            "{e}; the journal keeps nothing more until the node restarts (requests are \
-                             acknowledged after their reply)"
-                        );
-                        log.failing = true;
-                        false
-                    }
-                };
-                metrics::gauge!(crate::telemetry::JOURNAL_BYTES).set(log.bytes() as f64);
+                let written = write_recorded(&mut log) && !log.failing;
                 files.extend(log.take_unsynced());
                 through = through.max(log.last_seq());
                 written
