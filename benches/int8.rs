@@ -39,7 +39,7 @@ impl Subject {
 
 fn subjects() -> Vec<Subject> {
     let mut out = Vec::new();
-    let options = RuntimeOptions { batch_sizes: BATCHES.to_vec(), defer: false };
+    let options = RuntimeOptions { batch_sizes: BATCHES.to_vec(), defer: false, ..Default::default() };
     for name in ["digits", "digits-f32"] {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models").join(name).join("1");
         let model = LoadedModel::load(&dir, &options).unwrap();

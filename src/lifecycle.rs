@@ -320,7 +320,7 @@ impl ReloadSource {
 /// `needing_restart`.
 pub fn reload(source: &ReloadSource, engine: &Engine) -> Result<(Config, Reloaded), ReloadError> {
     let config = source.load()?;
-    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: true };
+    let runtime = RuntimeOptions::for_node(&config.runtime.batch_sizes, true, &config.node.state_dir, true);
     let registry = Registry::load(&config.node.models_dir, &runtime).map_err(|source| {
         ReloadError::Models { dir: config.node.models_dir.clone(), source: Box::new(source) }
     })?;

@@ -139,7 +139,7 @@ fn check_all(config: &Config, timeout: Duration, findings: &mut Findings) -> any
 /// number loaded.
 fn models(config: &Config, findings: &mut Findings) -> usize {
     let dir = &config.node.models_dir;
-    let runtime = RuntimeOptions { batch_sizes: vec![1], defer: true };
+    let runtime = RuntimeOptions::for_node(&[1], true, &config.node.state_dir, true);
     let registry = match Registry::load(dir, &runtime) {
         Ok(registry) => registry,
         Err(e) => {

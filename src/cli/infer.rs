@@ -25,7 +25,7 @@ pub struct InferArgs {
 
 /// Exits 0 for a result and 2 for an error reply.
 pub fn run(config: &Config, args: InferArgs) -> Result<i32> {
-    let registry = super::load_models(config, true)?;
+    let registry = super::load_models(config, true, true)?;
     let payload = read_input(&args.input)?;
     let engine = Engine::new(
         Arc::new(registry),

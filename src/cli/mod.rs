@@ -152,8 +152,11 @@ pub fn init_logging(filter: &str, json: bool) {
 /// The models directory, as every command but the load generator reads it.
 /// `defer`: only the smallest plan before returning (the rest is planned in
 /// the background by serve, or never needed by one request).
-pub fn load_models(config: &Config, defer: bool) -> Result<Registry> {
-    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer };
+/// `reuse_kernel_choices: false` times each integer layer's kernels again
+/// (`models verify`) instead of reading `node.state_dir/kernels`.
+pub fn load_models(config: &Config, defer: bool, reuse_kernel_choices: bool) -> Result<Registry> {
+    let (batch_sizes, state_dir) = (&config.runtime.batch_sizes, &config.node.state_dir);
+    let runtime = RuntimeOptions::for_node(batch_sizes, defer, state_dir, reuse_kernel_choices);
     let registry = Registry::load(&config.node.models_dir, &runtime)
         .with_context(|| "loading models (set node.models_dir or --models-dir)")?;
     for refused in &registry.refused {

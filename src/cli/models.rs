@@ -17,7 +17,8 @@ use std::sync::Arc;
 pub enum ModelsCommand {
     /// Time each node of a model's optimized plan (tract's evaluation hook)
     /// and list the slowest: where a model's time goes, and whether its
-    /// heavy nodes run integer or float kernels.
+    /// heavy nodes run integer or float kernels. An integer layer's row ends
+    /// with the kernel chosen for it, its time at load and the runner-up's.
     Profile {
         /// The model's name.
         model: String,
@@ -117,8 +118,11 @@ pub enum ModelsCommand {
     },
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized
-    /// plan runs integer or float kernels, and time it. Exits 1 when any
-    /// version is refused.
+    /// plan runs integer or float kernels, and time it. Each integer layer's
+    /// kernels (ours, tract-linalg's) are timed again and the faster kept,
+    /// refreshing the choices `serve` reuses from node.state_dir/kernels;
+    /// each layer's choice and the runner-up's time are printed. Exits 1 when
+    /// any version is refused.
     Verify {
         /// Timed runs per batch size.
         #[arg(long, default_value_t = 200)]
@@ -142,7 +146,8 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
         }
         other => other,
     };
-    let registry = super::load_models(config, false)?;
+    let measure_again = matches!(command, ModelsCommand::Verify { .. });
+    let registry = super::load_models(config, false, !measure_again)?;
     match command {
         ModelsCommand::List => list(config, &registry),
         ModelsCommand::Profile { model, version, batch, iterations, top } => {
@@ -203,9 +208,29 @@ fn profile(
     );
     for n in nodes.iter().take(top) {
         let us = n.per_run.as_secs_f64() * 1e6;
-        println!("  {us:>9.1} us {:>5.1}%  {:<24} {}", 100.0 * us / (total * 1e6), n.op, n.node);
+        let choice = m.kernel_choices.iter().find(|c| n.node == format!("{}.int8", c.layer));
+        let note = choice.map(|c| format!("  [{}]", choice_note(c))).unwrap_or_default();
+        println!("  {us:>9.1} us {:>5.1}%  {:<24} {}{note}", 100.0 * us / (total * 1e6), n.op, n.node);
     }
     Ok(0)
+}
+
+/// A layer's kernel, its time per run at batch 1 and the runner-up's.
+fn choice_note(c: &edgeinfer::model::LayerChoice) -> String {
+    match (c.chosen_us(), c.runner_up()) {
+        (Some(us), Some((other, other_us))) => format!(
+            "{} ({}) {us:.1} us, runner-up {} {other_us:.1} us{}",
+            c.kernel.as_str(),
+            c.name,
+            other.as_str(),
+            if c.cached { ", measured at an earlier start" } else { "" }
+        ),
+        _ => format!(
+            "{} ({}), not measured: EDGEINFER_INT8_GEMM or a host without AVX2",
+            c.kernel.as_str(),
+            c.name
+        ),
+    }
 }
 
 fn verify(registry: &Registry, iterations: usize) -> Result<i32> {
@@ -225,6 +250,9 @@ fn verify(registry: &Registry, iterations: usize) -> Result<i32> {
         }
         for p in &m.passes {
             println!("  load-time pass: {} ({} nodes)", p.pass, p.nodes);
+        }
+        for c in &m.kernel_choices {
+            println!("  layer {}: {}", c.layer, choice_note(c));
         }
         let mut timings = Vec::new();
         for batch in BTreeSet::from([1, m.max_batch()]) {

@@ -7,7 +7,7 @@ use edgeinfer::lifecycle::{self, ReloadSource};
 use edgeinfer::node::Node;
 
 pub fn run(config: Config, reload: ReloadSource) -> Result<i32> {
-    let registry = super::load_models(&config, true)?;
+    let registry = super::load_models(&config, true, true)?;
     registry.plan_rest_in_background();
     // The blocking pool only runs reloads: a few threads, so the node's
     // task count stays what `lifecycle::tasks_needed` says.

@@ -139,7 +139,8 @@ impl Engine {
         use sha2::{Digest, Sha256};
         let hash = hex::encode(Sha256::digest(format!("{config:?}").as_bytes()));
         *self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()) = Some(hash);
-        let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: true };
+        let runtime =
+            RuntimeOptions::for_node(&config.runtime.batch_sizes, true, &config.node.state_dir, true);
         *self.runtime_options.lock().unwrap_or_else(|e| e.into_inner()) = runtime;
     }
 

@@ -17,6 +17,7 @@ pub use golden::{Golden, GoldenVector};
 pub use kernels::KernelReport;
 pub use manifest::{Manifest, Preprocess, Quantization, Task, TensorSpec};
 pub use profile::NodeTime;
+pub use quant::choice::{Kernel, KernelCache, LayerChoice};
 pub use registry::{
     Fingerprint, Fingerprints, Refused, Registry, Versions, fingerprints_on_disk, valid_model_name,
     versions_on_disk,

@@ -2,6 +2,7 @@
 //! batch-size bucket (a concrete batch lets tract pick its best kernels; a
 //! symbolic one was measured 1.5-2x slower on convolutions).
 
+use super::quant::choice::{Chooser, KernelCache, LayerChoice};
 use super::{Golden, KernelReport, LoadError, Manifest};
 use crate::protocol::{Datatype, TensorData};
 use sha2::{Digest, Sha256};
@@ -24,11 +25,23 @@ pub struct RuntimeOptions {
     /// so a node is ready in the time one plan per model takes. Until a
     /// bucket is planned, its batches run in chunks on the smaller ones.
     pub defer: bool,
+    /// Where each integer layer's kernel choice is kept (`serve`:
+    /// `node.state_dir/kernels`); `None` measures on every load.
+    pub kernel_cache: Option<KernelCache>,
+}
+
+impl RuntimeOptions {
+    /// As a node (and the commands that load models as it does) runs them:
+    /// kernel choices kept in `state_dir/kernels`, reused when `reuse`.
+    pub fn for_node(batch_sizes: &[usize], defer: bool, state_dir: &Path, reuse: bool) -> RuntimeOptions {
+        let kernel_cache = Some(KernelCache { dir: state_dir.join("kernels"), reuse });
+        RuntimeOptions { batch_sizes: batch_sizes.to_vec(), defer, kernel_cache }
+    }
 }
 
 impl Default for RuntimeOptions {
     fn default() -> Self {
-        RuntimeOptions { batch_sizes: vec![1, 2, 4, 8, 16, 32], defer: false }
+        RuntimeOptions { batch_sizes: vec![1, 2, 4, 8, 16, 32], defer: false, kernel_cache: None }
     }
 }
 
@@ -54,6 +67,8 @@ pub struct LoadedModel {
     pub kernels: KernelReport,
     /// The load-time graph passes that changed this model.
     pub passes: Vec<super::passes::Applied>,
+    /// The kernel each integer layer runs on and what the candidates took.
+    pub kernel_choices: Vec<LayerChoice>,
     /// Reading, hashing, parsing, planning and the golden check.
     pub load_time: Duration,
     /// Hex sha256 of `model.toml` as loaded: the preprocessing, labels and
@@ -125,7 +140,12 @@ impl LoadedModel {
             });
         }
         let read = start.elapsed();
-        let (typed, batch, passes) = parse_onnx(&manifest, &bytes).map_err(tract_err)?;
+        let mut chooser = Chooser::open(options.kernel_cache.as_ref(), &actual);
+        let (typed, batch, passes) = parse_onnx(&manifest, &bytes, &mut chooser).map_err(tract_err)?;
+        if let Err(e) = chooser.save() {
+            // The choice stands for this run; the next start measures again.
+            tracing::warn!("{} {}: could not keep its kernel choices: {e}", manifest.name, manifest.version);
+        }
         let parsed = start.elapsed();
         let sizes: Vec<usize> = match manifest.input.shape[0] {
             -1 => options.batch_sizes.clone(),
@@ -145,6 +165,7 @@ impl LoadedModel {
             buckets: sizes.iter().map(|&size| Bucket { size, plan: OnceLock::new() }).collect(),
             deferred: Mutex::new(None),
             passes,
+            kernel_choices: chooser.made,
             load_time: Duration::ZERO,
             manifest_sha256,
         };
@@ -420,6 +441,7 @@ fn plan_all(
 fn parse_onnx(
     manifest: &Manifest,
     bytes: &[u8],
+    chooser: &mut Chooser,
 ) -> TractResult<(TypedModel, Symbol, Vec<super::passes::Applied>)> {
     let onnx = tract_onnx::onnx().with_ignore_output_shapes(true).with_ignore_value_info(true);
     let proto = onnx.proto_model_for_read(&mut &bytes[..])?;
@@ -452,7 +474,7 @@ fn parse_onnx(
     // build); a list such as `conv,dense` rewrites only those kinds.
     let kinds = super::quant::Kinds::from_env();
     if let Some(graph) = &proto.graph {
-        let rewritten = super::quant::rewrite(graph, &*onnx.provider, &mut typed, &kinds)?;
+        let rewritten = super::quant::rewrite(graph, &*onnx.provider, &mut typed, &kinds, chooser)?;
         if rewritten.total() > 0 {
             applied.push(super::passes::Applied { pass: "int8-ops", nodes: rewritten.total() });
         }

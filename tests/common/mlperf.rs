@@ -97,8 +97,9 @@ pub fn load(dir: &std::path::Path, key: &str, variant: &str, batch_sizes: Vec<us
     // shared model there (it is read, never copied into the repository).
     std::os::unix::fs::symlink(std::path::absolute(&file).unwrap(), version_dir.join("model.onnx")).unwrap();
     std::fs::write(version_dir.join("model.toml"), manifest).unwrap();
-    let model = LoadedModel::load(&version_dir, &RuntimeOptions { batch_sizes, defer: false })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model =
+        LoadedModel::load(&version_dir, &RuntimeOptions { batch_sizes, defer: false, ..Default::default() })
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
     Case {
         name,
         model,

@@ -74,6 +74,58 @@ fn models_verify_reports_kernels_and_latency() {
     assert!(text.contains("us/item"), "{text}");
 }
 
+/// Each integer layer's kernels (ours, tract-linalg's) are timed at load
+/// and the faster kept: one slowed by a fail point loses on every layer,
+/// `models profile` reuses what `models verify` measured, and choices made
+/// on another CPU are measured again.
+#[cfg(all(feature = "failpoints", target_arch = "x86_64"))]
+#[test]
+fn kernels_are_chosen_by_measurement_kept_per_cpu_and_a_slowed_one_loses() {
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().to_str().unwrap();
+    let run = |args: &[&str], slow: &str| {
+        let failpoint = format!("int8_kernel_slow=return({slow})");
+        let env = [("EDGEINFER_NODE__STATE_DIR", state_dir), ("FAILPOINTS", failpoint.as_str())];
+        let out = edgeinfer(args, None, &env);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    for (slow, chosen) in [("ours", "tract"), ("tract", "ours")] {
+        let text = run(&["models", "verify", "--iterations", "5"], slow);
+        let digits = text.split("\ndigits-").next().unwrap();
+        let layers: Vec<&str> = digits.lines().filter(|l| l.trim_start().starts_with("layer ")).collect();
+        assert_eq!(layers.len(), 2, "{text}");
+        for layer in layers {
+            assert!(layer.contains(&format!(": {chosen} (")), "{slow} slowed: {layer}");
+            assert!(layer.contains(&format!("runner-up {slow} ")), "{slow} slowed: {layer}");
+            assert!(!layer.contains("earlier start"), "verify measures again: {layer}");
+        }
+    }
+    // The last verify kept `ours`; a profile with ours slowed reuses it.
+    let profile = |slow| run(&["models", "profile", "digits", "--iterations", "5"], slow);
+    let rows =
+        |text: &str| text.lines().filter(|l| l.contains("edgeinfer.QDense")).map(str::to_owned).collect();
+    let reused: Vec<String> = rows(&profile("ours"));
+    assert_eq!(reused.len(), 2, "{reused:?}");
+    assert!(
+        reused.iter().all(|r| r.contains("[ours (") && r.contains("measured at an earlier start")),
+        "{reused:?}"
+    );
+    // The same file from another CPU: measured again, so the slowed kernel loses.
+    for entry in std::fs::read_dir(state.path().join("kernels")).unwrap() {
+        let path = entry.unwrap().path();
+        let mut cache: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        cache["signature"] = "x86_64 AnotherCPU family 25 model 97".into();
+        std::fs::write(&path, serde_json::to_vec(&cache).unwrap()).unwrap();
+    }
+    let remeasured: Vec<String> = rows(&profile("ours"));
+    assert!(
+        remeasured.iter().all(|r| r.contains("[tract (") && !r.contains("earlier start")),
+        "{remeasured:?}"
+    );
+}
+
 /// `models compare` on the held-out split: the accuracies it measures are
 /// the manifests', the kernels are what `models verify` reports, and the
 /// recommendation is the fastest candidate that meets the constraint.

@@ -112,9 +112,16 @@ fn rows_beyond_the_largest_plan_run_in_chunks_with_the_same_answers() {
 fn a_deferred_load_serves_on_its_first_plan_and_plans_the_rest_later_with_the_same_answers() {
     let dir = models_dir().join("digits/1");
     let sizes = vec![1, 2, 4, 8];
-    let eager =
-        LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: sizes.clone(), defer: false }).unwrap();
-    let lazy = LoadedModel::load(&dir, &RuntimeOptions { batch_sizes: sizes.clone(), defer: true }).unwrap();
+    let eager = LoadedModel::load(
+        &dir,
+        &RuntimeOptions { batch_sizes: sizes.clone(), defer: false, ..Default::default() },
+    )
+    .unwrap();
+    let lazy = LoadedModel::load(
+        &dir,
+        &RuntimeOptions { batch_sizes: sizes.clone(), defer: true, ..Default::default() },
+    )
+    .unwrap();
     assert_eq!(eager.planned_sizes(), sizes);
     assert_eq!(lazy.planned_sizes(), vec![1], "only the smallest plan before load returns");
     assert_eq!(lazy.batch_sizes(), sizes, "the others are still configured");

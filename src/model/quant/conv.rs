@@ -6,6 +6,7 @@
 //! per-channel requantization and the ReLU/ReLU6 clamp are one pass over
 //! each output row.
 
+use super::choice::Kernel;
 use super::gemm::Weights;
 use super::igemm;
 use super::patches::{Geometry, PatchLayout, im2col, pack_panels, widen_padded};
@@ -31,8 +32,9 @@ pub struct ConvSpec {
     pub activation: Activation,
 }
 
-/// Where the products run: our AVX2 kernel (`igemm`) on x86-64 hosts that
-/// have it, tract-linalg's integer kernels elsewhere (arm64 NEON/SDOT, VNNI).
+/// Where the products run: our kernels (`igemm`) or tract-linalg's, as
+/// timing both on the layer decided (`choice.rs`); tract-linalg's on hosts
+/// without AVX2 (arm64 NEON/SDOT).
 #[derive(Debug, Clone)]
 pub(super) enum Backend {
     Ours(Arc<igemm::Left>, Arc<PatchLayout>),
@@ -58,14 +60,9 @@ impl PartialEq for QConv {
 }
 
 impl QConv {
-    /// On the best kernels for this host.
-    pub fn new(spec: ConvSpec) -> TractResult<QConv> {
-        let tract = match super::gemm::GemmChoice::here() {
-            super::gemm::GemmChoice::Ours => false,
-            super::gemm::GemmChoice::TractPointwise => spec.geometry.is_pointwise(),
-            super::gemm::GemmChoice::Tract => true,
-        };
-        QConv::build(spec, tract)
+    /// On the given kernels (`choice::Chooser` picks them per layer).
+    pub fn on(spec: ConvSpec, kernel: Kernel) -> TractResult<QConv> {
+        QConv::build(spec, kernel == Kernel::Tract)
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
@@ -107,7 +104,7 @@ impl QConv {
         })
     }
 
-    fn kernel_name(&self) -> String {
+    pub(super) fn kernel_name(&self) -> String {
         match &self.backend {
             Backend::Ours(..) => super::igemm::TileKernel::best().name().into(),
             Backend::Tract(w) => w.kernel_name(),

@@ -2,6 +2,7 @@
 //! `[rows, in] x [in, out]` as one product on tract-linalg's integer
 //! kernels with the requantization of `QConv`.
 
+use super::choice::Kernel;
 use super::gemm::Weights;
 use super::igemm;
 use super::requant::{
@@ -89,8 +90,9 @@ impl PartialEq for QDense {
 }
 
 impl QDense {
-    pub fn new(spec: DenseSpec) -> TractResult<QDense> {
-        QDense::build(spec, super::gemm::GemmChoice::here() == super::gemm::GemmChoice::Tract)
+    /// On the given kernels (`choice::Chooser` picks them per layer).
+    pub fn on(spec: DenseSpec, kernel: Kernel) -> TractResult<QDense> {
+        QDense::build(spec, kernel == Kernel::Tract)
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
@@ -124,7 +126,7 @@ impl QDense {
         })
     }
 
-    fn kernel_name(&self) -> String {
+    pub(super) fn kernel_name(&self) -> String {
         match &self.backend {
             Backend::Ours(_) => super::igemm::TileKernel::best().name().into(),
             Backend::Tract(w) => w.kernel_name(),

@@ -30,41 +30,6 @@ impl std::fmt::Debug for Weights {
     }
 }
 
-/// Which kernels run a product: ours (`igemm.rs`) or tract-linalg's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GemmChoice {
-    /// Ours everywhere: tract has only its AVX2 kernel (which multiplies in
-    /// 16-bit lanes one k at a time), or `EDGEINFER_INT8_GEMM=ours`.
-    Ours,
-    /// tract-linalg's for 1x1 convolutions, ours elsewhere: tract has a
-    /// VNNI or AMX kernel (`vpdpbusd`: four byte products per lane, twice
-    /// our `vpdpwssd`). Measured (docs/BENCHMARKS.md): it wins on the
-    /// pointwise layers, and loses on 3x3 convolutions (its im2col) and on
-    /// one-row dense products (its 16x16 tile).
-    TractPointwise,
-    /// tract-linalg's everywhere: no AVX2 here, or `EDGEINFER_INT8_GEMM=tract`.
-    Tract,
-}
-
-impl GemmChoice {
-    pub fn here() -> GemmChoice {
-        static CHOICE: std::sync::OnceLock<GemmChoice> = std::sync::OnceLock::new();
-        *CHOICE.get_or_init(|| match std::env::var("EDGEINFER_INT8_GEMM").as_deref() {
-            _ if !super::cpu::avx2() => GemmChoice::Tract,
-            Ok("ours") => GemmChoice::Ours,
-            Ok("tract") => GemmChoice::Tract,
-            _ => {
-                let name = Weights::new(&[0; 64 * 64], 64, 64, Some(128)).map(|w| w.kernel_name());
-                if name.is_ok_and(|n| n.contains("vnni") || n.contains("amx")) {
-                    GemmChoice::TractPointwise
-                } else {
-                    GemmChoice::Ours
-                }
-            }
-        })
-    }
-}
-
 impl Weights {
     /// `w` is row-major `m x k`; `n` is the expected number of columns of
     /// the other operand (it decides the kernel's tile shape).

@@ -10,6 +10,7 @@
 //! remove. Whatever does not match stays on tract's own ops.
 
 pub mod add;
+pub mod choice;
 pub mod conv;
 mod cpu;
 pub mod dense;
@@ -83,6 +84,7 @@ pub fn rewrite(
     resolver: &dyn ModelDataResolver,
     model: &mut TypedModel,
     kinds: &Kinds,
+    chooser: &mut choice::Chooser,
 ) -> TractResult<Rewritten> {
     let mut done = Rewritten::default();
     let mut outlets: HashMap<String, OutletId> =
@@ -101,7 +103,7 @@ pub fn rewrite(
             Fusion::Pool(..) => &mut done.pool,
         };
         let name = format!("{}.int8", found.node);
-        match replace(model, &found, &inputs, target, &name) {
+        match replace(model, &found, &inputs, target, &name, chooser) {
             Ok(Some(new)) => {
                 model.outlet_labels.remove(&target);
                 model.set_outlet_label(new, found.output.clone())?;
@@ -123,11 +125,22 @@ fn replace(
     inputs: &[OutletId],
     target: OutletId,
     name: &str,
+    chooser: &mut choice::Chooser,
 ) -> TractResult<Option<OutletId>> {
     let facts: Vec<TypedFact> =
         inputs.iter().map(|o| model.outlet_fact(*o).cloned()).collect::<TractResult<_>>()?;
     let op: Box<dyn TypedOp> = match &found.fusion {
-        Fusion::Conv(spec) => Box::new(conv::QConv::new(sized(spec, &facts[0])?)?),
+        Fusion::Conv(spec) => {
+            let spec = sized(spec, &facts[0])?;
+            let g = spec.geometry;
+            let image: Vec<i8> = sample(g.in_channels * g.height * g.width);
+            Box::new(chooser.pick(
+                &found.node,
+                |kernel| conv::QConv::on(spec.clone(), kernel),
+                conv::QConv::kernel_name,
+                |op| op.run(&image, 1).map(drop),
+            )?)
+        }
         Fusion::Depthwise(spec) => Box::new(depthwise::QDepthwise::new(sized(spec, &facts[0])?)?),
         Fusion::Dense(spec) => {
             anyhow::ensure!(
@@ -135,7 +148,13 @@ fn replace(
                 "dense input of type {:?}",
                 facts[0].datum_type
             );
-            Box::new(dense::QDense::new(spec.clone())?)
+            let row = sample(spec.inputs);
+            Box::new(chooser.pick(
+                &found.node,
+                |kernel| dense::QDense::on(spec.clone(), kernel),
+                dense::QDense::kernel_name,
+                |op| op.run(&row, 1).map(drop),
+            )?)
         }
         Fusion::Add(op) => {
             anyhow::ensure!(
@@ -168,6 +187,12 @@ fn replace(
     patch.shunt_outside(model, target, wire[0])?;
     patch.apply(model)?;
     Ok(Some(OutletId::new(model.node_id_by_name(name)?, 0)))
+}
+
+/// `len` input values to time a layer on: the kernels' speed does not
+/// depend on them, but a pattern keeps nothing special about zeros.
+fn sample(len: usize) -> Vec<i8> {
+    (0..len).map(|i| (i.wrapping_mul(37) % 251) as u8 as i8).collect()
 }
 
 /// A convolution's spec with the height and width of its input, which the

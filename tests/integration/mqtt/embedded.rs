@@ -462,7 +462,11 @@ async fn a_node_started_in_process_serves_then_drains_on_stop() {
     config.http.listen = String::new();
     // The metrics recorder is process-wide; the other tests run binaries.
     config.telemetry.metrics = false;
-    let runtime = RuntimeOptions { batch_sizes: config.runtime.batch_sizes.clone(), defer: false };
+    let runtime = RuntimeOptions {
+        batch_sizes: config.runtime.batch_sizes.clone(),
+        defer: false,
+        ..Default::default()
+    };
     let registry = Registry::load(&config.node.models_dir, &runtime).unwrap();
     let source = ReloadSource { config_file: None, models_dir: None };
     let node = edgeinfer::node::Node::start(config, registry, source).await.unwrap();

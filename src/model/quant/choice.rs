@@ -1,0 +1,379 @@
+//! Which matrix-product kernels each integer layer runs on, chosen by timing
+//! the candidates on the layer's own shapes when the model loads. A rule by
+//! layer shape was right on the host it was tuned on and wrong on another
+//! (issue 38: vww's largest pointwise layer took 193 us on tract-linalg's
+//! VNNI kernel and 48 us on ours). The choices are kept under
+//! `node.state_dir/kernels/`, one file per model file (its sha256), valid
+//! for one CPU signature, so a restart does not measure again.
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tract_onnx::prelude::TractResult;
+
+/// Where a layer's product runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kernel {
+    /// Ours (`igemm.rs`).
+    Ours,
+    /// tract-linalg's, as its dispatch picks for the host.
+    Tract,
+}
+
+impl Kernel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kernel::Ours => "ours",
+            Kernel::Tract => "tract",
+        }
+    }
+}
+
+/// One layer's choice and what each candidate took per run at batch 1
+/// (`None`: not measured, because the kernel was fixed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerChoice {
+    pub layer: String,
+    pub kernel: Kernel,
+    /// The chosen kernel's name, as `models profile` shows it.
+    pub name: String,
+    pub ours_us: Option<f64>,
+    pub tract_us: Option<f64>,
+    /// Read from the cache rather than measured on this load.
+    #[serde(skip)]
+    pub cached: bool,
+}
+
+impl LayerChoice {
+    /// The runner-up's time per run, when both were measured.
+    pub fn runner_up(&self) -> Option<(Kernel, f64)> {
+        match (self.kernel, self.ours_us, self.tract_us) {
+            (Kernel::Ours, _, Some(t)) => Some((Kernel::Tract, t)),
+            (Kernel::Tract, Some(o), _) => Some((Kernel::Ours, o)),
+            _ => None,
+        }
+    }
+
+    /// The chosen kernel's time per run.
+    pub fn chosen_us(&self) -> Option<f64> {
+        match self.kernel {
+            Kernel::Ours => self.ours_us,
+            Kernel::Tract => self.tract_us,
+        }
+    }
+}
+
+/// Where a load keeps its choices: `dir/<model sha256>.json`. `reuse:
+/// false` measures again and rewrites the file (`models verify`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelCache {
+    pub dir: PathBuf,
+    pub reuse: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+struct CacheFile {
+    signature: String,
+    layers: Vec<LayerChoice>,
+}
+
+/// The choices made while one model loads.
+#[derive(Debug)]
+pub struct Chooser {
+    /// `EDGEINFER_INT8_GEMM` (to compare), or a host with one candidate.
+    fixed: Option<Kernel>,
+    signature: String,
+    cached: HashMap<String, LayerChoice>,
+    file: Option<PathBuf>,
+    /// Every layer's choice, in the order the layers were rewritten.
+    pub made: Vec<LayerChoice>,
+    /// How many layers were timed on this load.
+    pub measured: usize,
+}
+
+impl Chooser {
+    /// Reads the cached choices for the model file with this sha256 when
+    /// they were made on a CPU with this host's signature.
+    pub fn open(cache: Option<&KernelCache>, model_sha256: &str) -> Chooser {
+        Chooser::with_signature(cache, model_sha256, cpu_signature(), fixed())
+    }
+
+    fn with_signature(
+        cache: Option<&KernelCache>,
+        model_sha256: &str,
+        signature: String,
+        fixed: Option<Kernel>,
+    ) -> Chooser {
+        let file = cache.map(|c| c.dir.join(format!("{}.json", model_sha256.to_ascii_lowercase())));
+        let cached = match (cache, &file) {
+            (Some(c), Some(path)) if c.reuse => read_cache(path, &signature),
+            _ => HashMap::new(),
+        };
+        Chooser { fixed, signature, cached, file, made: Vec::new(), measured: 0 }
+    }
+
+    /// Builds the layer on its kernel: the fixed one, the cached choice, or
+    /// the faster of both timed on `input` (one image or row at batch 1).
+    pub fn pick<Op>(
+        &mut self,
+        layer: &str,
+        build: impl Fn(Kernel) -> TractResult<Op>,
+        name: impl Fn(&Op) -> String,
+        run: impl Fn(&Op) -> TractResult<()>,
+    ) -> TractResult<Op> {
+        if let Some(kernel) = self.fixed {
+            let op = build(kernel)?;
+            let choice = LayerChoice {
+                layer: layer.into(),
+                kernel,
+                name: name(&op),
+                ours_us: None,
+                tract_us: None,
+                cached: false,
+            };
+            self.made.push(choice);
+            return Ok(op);
+        }
+        if let Some(choice) = self.cached.get(layer) {
+            let op = build(choice.kernel)?;
+            self.made.push(LayerChoice { cached: true, ..choice.clone() });
+            return Ok(op);
+        }
+        let (ours, tract) = (build(Kernel::Ours)?, build(Kernel::Tract)?);
+        let [ours_us, tract_us] = time_both([(&ours, Kernel::Ours), (&tract, Kernel::Tract)], &run)?;
+        self.measured += 1;
+        let (kernel, op) = if ours_us <= tract_us { (Kernel::Ours, ours) } else { (Kernel::Tract, tract) };
+        self.made.push(LayerChoice {
+            layer: layer.into(),
+            kernel,
+            name: name(&op),
+            ours_us: Some(ours_us),
+            tract_us: Some(tract_us),
+            cached: false,
+        });
+        Ok(op)
+    }
+
+    /// Writes the choices when this load measured any (atomically: a
+    /// crash leaves the old file or the new one). Fixed choices are not
+    /// kept: they say nothing about the host.
+    pub fn save(&self) -> std::io::Result<()> {
+        let Some(path) = &self.file else { return Ok(()) };
+        if self.measured == 0 {
+            return Ok(());
+        }
+        let file = CacheFile { signature: self.signature.clone(), layers: self.made.clone() };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir)?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?)?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+fn read_cache(path: &Path, signature: &str) -> HashMap<String, LayerChoice> {
+    let Ok(bytes) = std::fs::read(path) else { return HashMap::new() };
+    match serde_json::from_slice::<CacheFile>(&bytes) {
+        Ok(file) if file.signature == signature => {
+            file.layers.into_iter().map(|c| (c.layer.clone(), c)).collect()
+        }
+        Ok(_) => {
+            tracing::info!("{}: made on another CPU or build; measuring the kernels again", path.display());
+            HashMap::new()
+        }
+        Err(e) => {
+            tracing::warn!("{}: unreadable ({e}); measuring the kernels again", path.display());
+            HashMap::new()
+        }
+    }
+}
+
+/// Per-run time of each candidate at batch 1: runs alternate between them
+/// (so a noisy moment costs both), the minimum is kept, and each gets at
+/// least 3 runs and about 1 ms, at most 50 runs: a few ms per layer.
+fn time_both<Op>(
+    candidates: [(&Op, Kernel); 2],
+    run: &impl Fn(&Op) -> TractResult<()>,
+) -> TractResult<[f64; 2]> {
+    let mut best = [Duration::MAX; 2];
+    let mut spent = Duration::ZERO;
+    for (op, _) in candidates {
+        run(op)?; // warm-up: first-touch of buffers and caches
+    }
+    let mut runs = 0;
+    while runs < 3 || (spent < Duration::from_millis(2) && runs < 50) {
+        for (i, &(op, kernel)) in candidates.iter().enumerate() {
+            let start = Instant::now();
+            run(op)?;
+            std::thread::sleep(failpoint_delay(kernel));
+            let took = start.elapsed();
+            best[i] = best[i].min(took);
+            spent += took;
+        }
+        runs += 1;
+    }
+    Ok(best.map(|d| d.as_secs_f64() * 1e6))
+}
+
+/// Fault injection (`--features failpoints`):
+/// `int8_kernel_slow=return(ours)` (or `tract`) adds 1 ms to each timed
+/// run of that kernel, so tests can check that the slower one loses.
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+fn failpoint_delay(kernel: Kernel) -> Duration {
+    fail::fail_point!("int8_kernel_slow", |arg: Option<String>| {
+        if arg.as_deref() == Some(kernel.as_str()) { Duration::from_millis(1) } else { Duration::ZERO }
+    });
+    Duration::ZERO
+}
+
+/// The kernel every layer runs on without measuring: tract-linalg's on a
+/// host without AVX2 (ours would run its portable tile), or the one
+/// `EDGEINFER_INT8_GEMM` names (`ours` or `tract`, to compare).
+fn fixed() -> Option<Kernel> {
+    if !super::cpu::avx2() {
+        return Some(Kernel::Tract);
+    }
+    match std::env::var("EDGEINFER_INT8_GEMM").as_deref() {
+        Ok("ours") => Some(Kernel::Ours),
+        Ok("tract") => Some(Kernel::Tract),
+        _ => None,
+    }
+}
+
+/// What a measurement depends on: the CPU (vendor, family, model,
+/// stepping and feature words from `cpuid`, or the arm64 identification
+/// and features) and the kernels each side would run here, which also
+/// changes with `EDGEINFER_AVX512` and with a build whose kernels differ.
+pub fn cpu_signature() -> String {
+    static SIGNATURE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SIGNATURE
+        .get_or_init(|| {
+            let tract = super::gemm::Weights::new(&[0; 64 * 64], 64, 64, Some(128))
+                .map(|w| w.kernel_name())
+                .unwrap_or_default();
+            format!("{}; ours {}; tract {tract}", cpu_identity(), super::igemm::TileKernel::best().name())
+        })
+        .clone()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn cpu_identity() -> String {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // SAFETY: cpuid exists on every x86-64 CPU; leaves past the maximum
+    // the CPU reports are not asked.
+    let max = __cpuid(0);
+    let vendor: Vec<u8> = [max.ebx, max.edx, max.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+    let one = __cpuid(1);
+    let seven = if max.eax >= 7 { __cpuid_count(7, 0) } else { __cpuid(0) };
+    let (family, model) = ((one.eax >> 8) & 0xf, (one.eax >> 4) & 0xf);
+    let (ext_family, ext_model) = ((one.eax >> 20) & 0xff, (one.eax >> 16) & 0xf);
+    format!(
+        "x86_64 {} family {} model {} stepping {} features {:08x}{:08x} {:08x}{:08x}{:08x}",
+        String::from_utf8_lossy(&vendor),
+        family + if family == 0xf { ext_family } else { 0 },
+        model | if family == 0x6 || family == 0xf { ext_model << 4 } else { 0 },
+        one.eax & 0xf,
+        one.ecx,
+        one.edx,
+        seven.ebx,
+        seven.ecx,
+        seven.edx
+    )
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn cpu_identity() -> String {
+    // The first processor's identification and features (arm64 Linux).
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let wanted = ["CPU implementer", "CPU variant", "CPU part", "CPU revision", "Features"];
+    let fields: Vec<&str> = info
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .filter(|l| wanted.iter().any(|w| l.starts_with(w)))
+        .collect();
+    format!("{} {}", std::env::consts::ARCH, fields.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake layer whose kernels take the times the test gives.
+    fn pick(chooser: &mut Chooser, layer: &str, ours: u64, tract: u64) -> Kernel {
+        let took = |k: Kernel| Duration::from_micros(if k == Kernel::Ours { ours } else { tract });
+        chooser
+            .pick(
+                layer,
+                Ok,
+                |k| k.as_str().into(),
+                |&k| {
+                    std::thread::sleep(took(k));
+                    Ok(())
+                },
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn the_faster_kernel_is_chosen_and_the_choice_is_reused_until_the_cpu_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache { dir: dir.path().join("kernels"), reuse: true };
+        let open = |signature: &str| Chooser::with_signature(Some(&cache), "AB12", signature.into(), None);
+
+        let mut first = open("cpu A");
+        assert_eq!(pick(&mut first, "conv1", 3000, 200), Kernel::Tract);
+        assert_eq!(pick(&mut first, "conv2", 200, 3000), Kernel::Ours);
+        assert_eq!(first.measured, 2);
+        let conv1 = &first.made[0];
+        assert!(conv1.tract_us.unwrap() < conv1.ours_us.unwrap(), "{conv1:?}");
+        assert_eq!(conv1.runner_up().map(|r| r.0), Some(Kernel::Ours));
+        first.save().unwrap();
+        assert!(dir.path().join("kernels/ab12.json").is_file());
+
+        // Same CPU: the cached choice stands although the times flipped.
+        let mut again = open("cpu A");
+        assert_eq!(pick(&mut again, "conv1", 200, 3000), Kernel::Tract);
+        assert_eq!((again.measured, again.made[0].cached), (0, true));
+        // A layer the file does not know is measured.
+        assert_eq!(pick(&mut again, "conv3", 3000, 200), Kernel::Tract);
+        assert_eq!(again.measured, 1);
+
+        // Another CPU: measured again.
+        let mut other = open("cpu B");
+        assert_eq!(pick(&mut other, "conv1", 200, 3000), Kernel::Ours);
+        assert_eq!(other.measured, 1);
+
+        // `models verify` measures whatever the file says.
+        let fresh = KernelCache { reuse: false, ..cache.clone() };
+        let mut verify = Chooser::with_signature(Some(&fresh), "AB12", "cpu A".into(), None);
+        assert_eq!(pick(&mut verify, "conv1", 200, 3000), Kernel::Ours);
+        assert_eq!(verify.measured, 1);
+    }
+
+    #[test]
+    fn a_fixed_kernel_is_not_measured_nor_saved_and_a_broken_file_is_measured_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache { dir: dir.path().to_owned(), reuse: true };
+        let mut fixed = Chooser::with_signature(Some(&cache), "cd", "cpu".into(), Some(Kernel::Ours));
+        assert_eq!(pick(&mut fixed, "conv1", 3000, 1), Kernel::Ours);
+        assert_eq!((fixed.measured, fixed.made[0].ours_us), (0, None));
+        fixed.save().unwrap();
+        assert!(!dir.path().join("cd.json").exists());
+
+        std::fs::write(dir.path().join("cd.json"), b"{ not json").unwrap();
+        let mut chooser = Chooser::with_signature(Some(&cache), "cd", "cpu".into(), None);
+        assert_eq!(pick(&mut chooser, "conv1", 3000, 1), Kernel::Tract);
+        chooser.save().unwrap();
+        let reread = Chooser::with_signature(Some(&cache), "cd", "cpu".into(), None);
+        assert_eq!(reread.cached["conv1"].kernel, Kernel::Tract);
+    }
+
+    #[test]
+    fn the_signature_names_this_cpu_and_both_kernels() {
+        let signature = cpu_signature();
+        assert!(signature.starts_with(std::env::consts::ARCH), "{signature}");
+        assert!(signature.contains("; ours ") && signature.contains("; tract "), "{signature}");
+    }
+}
