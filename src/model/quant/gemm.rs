@@ -104,6 +104,12 @@ impl Weights {
     /// Packs the transpose of `x`, a row-major `n x k` matrix (one row per
     /// column of the product: a batch of dense inputs).
     pub fn pack_b_transposed(&self, x: &[i8], n: usize) -> TractResult<Box<dyn MMMInputValue>> {
+        anyhow::ensure!(x.len() == self.k * n, "activations: {} values for {n}x{}", x.len(), self.k);
+        if self.b_format().downcast_ref::<PackedI8K4>().is_some() {
+            // Through `pack_k4`, for the room the AMX kernels read past k.
+            let b: Vec<i8> = (0..self.k * n).map(|i| x[(i % n) * self.k + i / n]).collect();
+            return self.pack_b(&b, n);
+        }
         let t = Tensor::from_shape(&[n, self.k], x)?;
         self.b_format().prepare_one(&t, 1, 0)
     }
@@ -145,13 +151,22 @@ impl Weights {
 /// zeros to a multiple of four. Four source rows are interleaved a word at a
 /// time, which the compiler vectorises; tract's generic packer goes a byte
 /// at a time through strides.
+///
+/// The blob ends with zeros up to k rounded to 64 past the last panel:
+/// tract-linalg 0.23.9's AMX kernels (`avx512amx_mmm_i32_8x8`, `_16x16`)
+/// load B in tiles of 64 k whatever k is, so on the last panel they read
+/// past a buffer padded to 4 only (their results stay exact: A is padded
+/// with zeros to 64), and crashed the process (SIGSEGV) where that read
+/// crossed into an unmapped page: seen here in `qconv_is_bit_exact`.
 fn pack_k4(format: &PackedI8K4, b: &[i8], k: usize, n: usize) -> Box<dyn MMMInputValue> {
     let r = format.r;
     let kp = k.div_ceil(4) * 4;
     let panel = kp * r;
     let panels = n.div_ceil(r);
-    let mut blob = unsafe { Blob::new_for_size_and_align(panels * panel, format.alignment()) };
-    let words = as_words(blob.as_bytes_mut());
+    let over_read = (k.div_ceil(64) * 64 - kp) * r;
+    let mut blob = unsafe { Blob::new_for_size_and_align(panels * panel + over_read, format.alignment()) };
+    blob.as_bytes_mut()[panels * panel..].fill(0);
+    let words = as_words(&mut blob.as_bytes_mut()[..panels * panel]);
     let zeros = vec![0i8; if k.is_multiple_of(4) { 0 } else { n }];
     for kb in 0..kp / 4 {
         let row = |i: usize| -> &[i8] {
@@ -238,7 +253,11 @@ mod tests {
                 let e = v.downcast_ref::<EagerPackedInput>().unwrap();
                 (e.packed.as_bytes().to_vec(), e.panel_bytes, e.mn)
             };
-            assert_eq!(bytes(&*ours), bytes(&*theirs), "k {k} n {n} r {r}");
+            let (mut ours, theirs) = (bytes(&*ours), bytes(&*theirs));
+            // Then zeros, as far as a kernel reading k in blocks of 64 goes.
+            let tail = ours.0.split_off(theirs.0.len());
+            assert_eq!(ours, theirs, "k {k} n {n} r {r}");
+            assert_eq!(tail, vec![0; (k.div_ceil(64) * 64 - k.div_ceil(4) * 4) * r], "k {k} n {n} r {r}");
         }
     }
 }
