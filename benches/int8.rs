@@ -102,7 +102,11 @@ fn main() {
     if std::env::var_os("EDGEINFER_PROFILE").is_some() {
         for s in &subjects {
             println!("\n{} batch 1, slowest nodes:", s.name);
-            for n in s.model.profile(1, 200).unwrap().iter().take(8) {
+            for n in
+                s.model.profile(1, 200).unwrap().iter().take(
+                    std::env::var("EDGEINFER_PROFILE_TOP").ok().and_then(|v| v.parse().ok()).unwrap_or(8),
+                )
+            {
                 println!("  {:>9.1} us  {:<24} {}", n.per_run.as_secs_f64() * 1e6, n.op, n.node);
             }
         }

@@ -22,6 +22,7 @@ mod pattern;
 pub mod pool;
 pub mod requant;
 mod transpose;
+mod udot;
 
 use pattern::{Found, Fusion};
 use std::collections::HashMap;

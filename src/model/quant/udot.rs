@@ -1,0 +1,357 @@
+//! Our u8 x s8 -> i32 matrix product for convolutions on hosts with a
+//! byte dot-product instruction: `vpdpbusd` (AVX-512 VNNI, and AVX-VNNI's
+//! 256-bit form on the Alder Lake-N / N100 class of gateway CPU) multiplies
+//! four unsigned bytes by four signed bytes per 32-bit lane and adds the
+//! four products to the lane: twice the multiply-adds per instruction of
+//! the i16 tile (`igemm.rs`, `vpdpwssd`), and half the bytes to pack.
+//!
+//! The activations are the unsigned side: an i8 value x is stored as
+//! `u = x + 128` (its top bit flipped), so each sum carries `128 * sum(w)`
+//! on top of `sum(x * w)`; the op takes that, with the input zero point,
+//! out of its bias once (`weight_offsets`). Weights with nonzero zero
+//! points would need each column's sum too: those layers stay on the i16
+//! tile.
+//!
+//! Layout: the weights in panels of `MR` rows and the patch matrix in
+//! panels of `NR` columns, both as quads of k: one u32 per row (or column)
+//! and quad holding its four bytes for k = 4q..4q+3, k padded to a multiple
+//! of 4 with zero weights (so whatever the patch holds there contributes
+//! nothing).
+
+use super::patches::PatchLayout;
+
+/// Columns of a patch panel: one zmm register (or two ymm) of 16 i32.
+pub const NR: usize = 16;
+/// Rows of a weight panel: the tile is `MR x NR`.
+pub const MR: usize = 4;
+
+/// The weights (`rows x k`, i8) packed in panels of `MR` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Weights {
+    pub rows: usize,
+    pub k: usize,
+    data: Vec<u32>,
+    /// Each row's sum of weights, for the +128 correction.
+    pub row_sums: Vec<i32>,
+}
+
+#[inline(always)]
+fn quad(bytes: [u8; 4]) -> u32 {
+    u32::from_le_bytes(bytes)
+}
+
+impl Weights {
+    /// `values` is row-major `rows x k` (one row per output channel).
+    pub fn pack(values: &[i8], rows: usize, k: usize) -> Weights {
+        assert_eq!(values.len(), rows * k, "udot::Weights: {} values for {rows}x{k}", values.len());
+        let k4 = k.div_ceil(4);
+        let mut data = vec![0u32; rows.div_ceil(MR) * k4 * MR];
+        for r in 0..rows {
+            let row = &values[r * k..(r + 1) * k];
+            for q in 0..k4 {
+                let byte = |t: usize| row.get(4 * q + t).map_or(0, |&v| v as u8);
+                data[((r / MR) * k4 + q) * MR + r % MR] = quad([byte(0), byte(1), byte(2), byte(3)]);
+            }
+        }
+        let row_sums =
+            values.chunks(k.max(1)).take(rows).map(|r| r.iter().map(|&v| v as i32).sum()).collect();
+        Weights { rows, k, data, row_sums }
+    }
+
+    /// What each output channel's sum must lose: `(128 + zx) * sum(w)`,
+    /// the flipped top bit plus the input zero point (the weights'
+    /// zero points being 0).
+    pub fn weight_offsets(&self, input_zero: i32) -> impl Iterator<Item = i32> + '_ {
+        self.row_sums.iter().map(move |&s| -(128 + input_zero) * s)
+    }
+
+    fn panel(&self, p: usize) -> &[u32] {
+        let len = self.k.div_ceil(4) * MR;
+        &self.data[p * len..(p + 1) * len]
+    }
+}
+
+/// The patch matrix of one image, packed in panels of `NR` columns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Patches {
+    pub cols: usize,
+    pub k: usize,
+    data: Vec<u32>,
+}
+
+impl Patches {
+    /// Packs the patches of an image already flipped to u8 and padded
+    /// (`patches::flip_padded`) as `layout` says: per panel and quad of
+    /// rows, four 16-byte loads and an interleave where the panel's columns
+    /// are contiguous, a gather elsewhere. The rows past k of the last quad
+    /// repeat its first row: their weights are 0, so any byte does.
+    pub fn pack(&mut self, plane: &[u8], layout: &PatchLayout) {
+        let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
+        (self.cols, self.k) = (cols, k);
+        let k4 = k.div_ceil(4);
+        // Every word is written below: no need to clear what is reused.
+        self.data.resize(cols.div_ceil(NR) * k4 * NR, 0);
+        for p in 0..cols.div_ceil(NR) {
+            let panel = &mut self.data[p * k4 * NR..(p + 1) * k4 * NR];
+            let columns = &layout.column_offsets[p * NR..cols.min((p + 1) * NR)];
+            for (q, out) in panel.chunks_exact_mut(NR).enumerate() {
+                let first = layout.row_offsets[4 * q];
+                let rows: [usize; 4] =
+                    std::array::from_fn(|t| *layout.row_offsets.get(4 * q + t).unwrap_or(&first));
+                #[cfg(target_arch = "x86_64")]
+                if layout.contiguous[p] {
+                    let at = columns[0];
+                    let row = |t: usize| &plane[rows[t] + at..][..NR];
+                    interleave_quads(out, [row(0), row(1), row(2), row(3)]);
+                    continue;
+                }
+                let [r0, r1, r2, r3] = rows;
+                for (o, &col) in out.iter_mut().zip(columns) {
+                    *o = quad([plane[r0 + col], plane[r1 + col], plane[r2 + col], plane[r3 + col]]);
+                }
+                out[columns.len()..].fill(0);
+            }
+        }
+    }
+
+    fn panel(&self, p: usize) -> &[u32] {
+        let len = self.k.div_ceil(4) * NR;
+        &self.data[p * len..(p + 1) * len]
+    }
+}
+
+/// `out[j]` = the four rows' bytes of column j, for 16 columns: byte
+/// unpacks pair rows 0-1 and 2-3, word unpacks pair the pairs. SSE2, so
+/// every x86-64 host has it.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn interleave_quads(out: &mut [u32], [a, b, c, d]: [&[u8]; 4]) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= NR && a.len() >= NR && b.len() >= NR && c.len() >= NR && d.len() >= NR);
+    // SAFETY: SSE2 is part of x86-64; the lengths are checked above.
+    unsafe {
+        let a = _mm_loadu_si128(a.as_ptr() as *const __m128i);
+        let b = _mm_loadu_si128(b.as_ptr() as *const __m128i);
+        let c = _mm_loadu_si128(c.as_ptr() as *const __m128i);
+        let d = _mm_loadu_si128(d.as_ptr() as *const __m128i);
+        let (ab_lo, ab_hi) = (_mm_unpacklo_epi8(a, b), _mm_unpackhi_epi8(a, b));
+        let (cd_lo, cd_hi) = (_mm_unpacklo_epi8(c, d), _mm_unpackhi_epi8(c, d));
+        let o = out.as_mut_ptr() as *mut __m128i;
+        _mm_storeu_si128(o, _mm_unpacklo_epi16(ab_lo, cd_lo)); // columns 0-3
+        _mm_storeu_si128(o.add(1), _mm_unpackhi_epi16(ab_lo, cd_lo)); // 4-7
+        _mm_storeu_si128(o.add(2), _mm_unpacklo_epi16(ab_hi, cd_hi)); // 8-11
+        _mm_storeu_si128(o.add(3), _mm_unpackhi_epi16(ab_hi, cd_hi)); // 12-15
+    }
+}
+
+/// How a tile is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileKernel {
+    /// The reference the tests compare the others with; no op runs it (a
+    /// host without a byte dot product runs the i16 tile instead).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Portable,
+    /// One zmm per row of the tile.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+    /// Two ymm per row of the tile (AVX-VNNI, no AVX-512 needed).
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+}
+
+impl TileKernel {
+    /// The byte dot-product kernels this host can run, fastest first;
+    /// empty where it has none (the op then uses the i16 tile).
+    pub fn available() -> Vec<TileKernel> {
+        #[allow(unused_mut)] // pushed to only on x86-64
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::cpu::avx512().is_some_and(|a| a.vnni) {
+                kernels.push(TileKernel::Avx512Vnni);
+            }
+            if std::is_x86_feature_detected!("avxvnni") {
+                kernels.push(TileKernel::AvxVnni);
+            }
+        }
+        kernels
+    }
+
+    /// The best one here, found once; `None` without a byte dot product.
+    pub fn best() -> Option<TileKernel> {
+        static BEST: std::sync::OnceLock<Option<TileKernel>> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| TileKernel::available().first().copied())
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TileKernel::Portable => "edgeinfer portable u8xs8",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512Vnni => "edgeinfer avx512 vnni u8xs8",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::AvxVnni => "edgeinfer avx-vnni u8xs8",
+        }
+    }
+}
+
+/// `weights x patches`, one `MR x NR` tile at a time, each handed to
+/// `emit(row, col, tile)` with the tile's i32 sums of `u * w` (`tile[i *
+/// NR + j]` for row `row + i`, column `col + j`; rows and columns past the
+/// ends hold nothing meaningful).
+pub fn product_on(
+    kernel: TileKernel,
+    weights: &Weights,
+    patches: &Patches,
+    mut emit: impl FnMut(usize, usize, &[i32]),
+) {
+    assert_eq!(weights.k, patches.k, "udot::product: inner dimensions differ");
+    let k4 = weights.k.div_ceil(4);
+    let mut tile = [0i32; MR * NR];
+    for cp in 0..patches.cols.div_ceil(NR) {
+        let b = patches.panel(cp);
+        for rp in 0..weights.rows.div_ceil(MR) {
+            let a = weights.panel(rp);
+            // SAFETY: a kernel is chosen only where the host has its
+            // features (`TileKernel::available`); the slices are checked.
+            match kernel {
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::Avx512Vnni => unsafe { avx512_vnni_tile(a, b, k4, &mut tile) },
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::AvxVnni => unsafe { avx_vnni_tile(a, b, k4, &mut tile) },
+                TileKernel::Portable => portable_tile(a, b, k4, &mut tile),
+            }
+            emit(rp * MR, cp * NR, &tile);
+        }
+    }
+}
+
+fn portable_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+    tile.fill(0);
+    for q in 0..k4 {
+        for i in 0..MR {
+            let w = a[q * MR + i].to_le_bytes().map(|v| v as i8 as i32);
+            for j in 0..NR {
+                let u = b[q * NR + j].to_le_bytes().map(|v| v as i32);
+                tile[i * NR + j] += (0..4).map(|t| u[t] * w[t]).sum::<i32>();
+            }
+        }
+    }
+}
+
+/// Per quad of k: one load of the patch panel, `MR` broadcasts of a
+/// weight quad and `MR` `vpdpbusd`. Even and odd quads go to separate
+/// accumulators, so the additions of one row do not wait on each other.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn avx512_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
+    unsafe {
+        let mut even = [_mm512_setzero_si512(); MR];
+        let mut odd = [_mm512_setzero_si512(); MR];
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // A macro, not a closure: closures do not inherit the function's
+        // target features, so their intrinsics would become calls.
+        macro_rules! step {
+            ($acc:ident, $q:expr) => {
+                let u = _mm512_loadu_si512(pb.add($q * NR) as *const __m512i);
+                for (i, row) in $acc.iter_mut().enumerate() {
+                    *row = _mm512_dpbusd_epi32(*row, u, _mm512_set1_epi32(*pa.add($q * MR + i) as i32));
+                }
+            };
+        }
+        let mut q = 0;
+        while q + 1 < k4 {
+            step!(even, q);
+            step!(odd, q + 1);
+            q += 2;
+        }
+        if q < k4 {
+            step!(even, q);
+        }
+        let out = tile.as_mut_ptr();
+        for i in 0..MR {
+            _mm512_storeu_si512(out.add(i * NR) as *mut __m512i, _mm512_add_epi32(even[i], odd[i]));
+        }
+    }
+}
+
+/// The same on AVX-VNNI: a panel is two ymm, so `2 * MR` accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn avx_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
+    unsafe {
+        let mut acc = [[_mm256_setzero_si256(); 2]; MR];
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        for q in 0..k4 {
+            let u0 = _mm256_loadu_si256(pb.add(q * NR) as *const __m256i);
+            let u1 = _mm256_loadu_si256(pb.add(q * NR + 8) as *const __m256i);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let w = _mm256_set1_epi32(*pa.add(q * MR + i) as i32);
+                row[0] = _mm256_dpbusd_avx_epi32(row[0], u0, w);
+                row[1] = _mm256_dpbusd_avx_epi32(row[1], u1, w);
+            }
+        }
+        let out = tile.as_mut_ptr();
+        for (i, row) in acc.iter().enumerate() {
+            _mm256_storeu_si256(out.add(i * NR) as *mut __m256i, row[0]);
+            _mm256_storeu_si256(out.add(i * NR + 8) as *mut __m256i, row[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::patches::{Geometry, flip_padded};
+
+    /// Every kernel here, and the portable one, against sums computed
+    /// from the unpacked values, on panels and quads cut at every edge.
+    #[test]
+    fn products_are_exact_on_every_tile_and_quad_edge() {
+        let mut rng = fastrand::Rng::with_seed(17);
+        for &(m, k, n) in
+            &[(1, 1, 1), (3, 5, 7), (4, 4, 16), (16, 27, 1024), (9, 145, 17), (64, 576, 64), (5, 3, 33)]
+        {
+            let w: Vec<i8> = (0..m * k).map(|_| rng.i8(..)).collect();
+            let x: Vec<i8> = (0..k * n).map(|_| rng.i8(..)).collect();
+            // A 1x1 convolution of k channels over a 1 x n image: its patch
+            // matrix is x itself (k x n), contiguous columns.
+            let g = Geometry {
+                in_channels: k,
+                out_channels: m,
+                height: 1,
+                width: n,
+                kernel: [1, 1],
+                strides: [1, 1],
+                dilations: [1, 1],
+                pads: [0; 4],
+            };
+            let layout = PatchLayout::new(&g, NR).unwrap();
+            let (mut plane, mut patches) = (Vec::new(), Patches::default());
+            flip_padded(&g, &x, 0, &mut plane);
+            patches.pack(&plane, &layout);
+            let weights = Weights::pack(&w, m, k);
+            for kernel in [TileKernel::Portable].into_iter().chain(TileKernel::available()) {
+                let mut got = vec![0i32; m * n];
+                product_on(kernel, &weights, &patches, |r0, c0, tile| {
+                    for i in 0..MR.min(m - r0) {
+                        for j in 0..NR.min(n - c0) {
+                            got[(r0 + i) * n + c0 + j] = tile[i * NR + j];
+                        }
+                    }
+                });
+                for i in 0..m {
+                    for j in 0..n {
+                        let dot: i32 = (0..k).map(|t| w[i * k + t] as i32 * x[t * n + j] as i32).sum();
+                        // With zx = 0 the correction takes out exactly the +128.
+                        let corrected = got[i * n + j] + weights.weight_offsets(0).nth(i).unwrap();
+                        assert_eq!(corrected, dot, "{}: {m}x{k}x{n} at {i},{j}", kernel.name());
+                    }
+                }
+            }
+        }
+    }
+}
