@@ -235,6 +235,9 @@ pub struct PatchLayout {
     /// Per panel of `igemm::NR` columns: its columns read consecutive
     /// elements (one output row, stride 1), so a row of it is one load.
     pub contiguous: Vec<bool>,
+    /// Per panel: its columns read every other element (one output row of
+    /// a stride-2 convolution), so a row of it is two loads and a shuffle.
+    pub every_other: Vec<bool>,
     pub padded: [usize; 2],
 }
 
@@ -253,11 +256,12 @@ impl PatchLayout {
         }
         let column_offsets: Vec<usize> =
             (0..oh * ow).map(|n| (n / ow) * g.strides[0] * wp + (n % ow) * g.strides[1]).collect();
-        let contiguous = column_offsets
-            .chunks(panel)
-            .map(|cols| cols.len() == panel && cols.windows(2).all(|w| w[1] == w[0] + 1))
-            .collect();
-        Ok(PatchLayout { row_offsets, column_offsets, contiguous, padded: [hp, wp] })
+        let steps = |step: usize| -> Vec<bool> {
+            let full = |cols: &[usize]| cols.len() == panel && cols.windows(2).all(|w| w[1] == w[0] + step);
+            column_offsets.chunks(panel).map(full).collect()
+        };
+        let (contiguous, every_other) = (steps(1), steps(2));
+        Ok(PatchLayout { row_offsets, column_offsets, contiguous, every_other, padded: [hp, wp] })
     }
 }
 

@@ -105,6 +105,18 @@ impl Patches {
                     interleave_quads(out, [row(0), row(1), row(2), row(3)]);
                     continue;
                 }
+                #[cfg(target_arch = "x86_64")]
+                if layout.every_other[p] && super::cpu::avx2() {
+                    // Two 16-byte loads a row; the last column's odd byte
+                    // may be past the plane, so the panel must fit whole.
+                    let at = columns[0];
+                    let row = |t: usize| plane.get(rows[t] + at..rows[t] + at + 2 * NR);
+                    if let [Some(a), Some(b), Some(c), Some(d)] = [row(0), row(1), row(2), row(3)] {
+                        // SAFETY: AVX2 hosts have SSSE3.
+                        unsafe { interleave_quads_every_other(out, [a, b, c, d]) };
+                        continue;
+                    }
+                }
                 let [r0, r1, r2, r3] = rows;
                 for (o, &col) in out.iter_mut().zip(columns) {
                     *o = quad([plane[r0 + col], plane[r1 + col], plane[r2 + col], plane[r3 + col]]);
@@ -142,6 +154,30 @@ fn interleave_quads(out: &mut [u32], [a, b, c, d]: [&[u8]; 4]) {
         _mm_storeu_si128(o.add(2), _mm_unpacklo_epi16(ab_hi, cd_hi)); // 8-11
         _mm_storeu_si128(o.add(3), _mm_unpackhi_epi16(ab_hi, cd_hi)); // 12-15
     }
+}
+
+/// `interleave_quads` of the even bytes of four 32-byte rows: the
+/// columns of one output row of a stride-2 convolution (the stems of vww
+/// and ic, their stride-2 1x1 and 3x3 layers), which the gather took a
+/// byte at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "ssse3")]
+unsafe fn interleave_quads_every_other(out: &mut [u32], rows: [&[u8]; 4]) {
+    use std::arch::x86_64::*;
+    assert!(rows.iter().all(|r| r.len() >= 2 * NR));
+    // Even bytes to the low half of each 16-byte load, then both halves.
+    let evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    let mut packed = [[0u8; NR]; 4];
+    for (row, dst) in rows.iter().zip(&mut packed) {
+        // SAFETY: 32 bytes checked above; `dst` is 16 bytes.
+        unsafe {
+            let lo = _mm_shuffle_epi8(_mm_loadu_si128(row.as_ptr() as *const __m128i), evens);
+            let hi = _mm_shuffle_epi8(_mm_loadu_si128(row.as_ptr().add(NR) as *const __m128i), evens);
+            _mm_storeu_si128(dst.as_mut_ptr() as *mut __m128i, _mm_unpacklo_epi64(lo, hi));
+        }
+    }
+    let [a, b, c, d] = &packed;
+    interleave_quads(out, [a, b, c, d]);
 }
 
 /// How a tile is computed.
@@ -306,6 +342,50 @@ unsafe fn avx_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * N
 mod tests {
     use super::*;
     use crate::model::quant::patches::{Geometry, flip_padded};
+
+    /// Every panel, packed by loads and interleaves (stride 1), by loads
+    /// and shuffles (stride 2) or by the gather, holds the bytes the layout
+    /// names; the rows past k are free (their weights are 0).
+    #[test]
+    fn patches_hold_the_bytes_the_layout_names_on_every_path() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        for (width, stride, pad, kernel) in
+            [(40, 2, 1, 3), (64, 2, 0, 1), (33, 2, 1, 3), (16, 1, 1, 3), (5, 1, 0, 1), (95, 2, 0, 3)]
+        {
+            let g = Geometry {
+                in_channels: 3,
+                out_channels: 8,
+                height: 9,
+                width,
+                kernel: [kernel, kernel],
+                strides: [stride, stride],
+                dilations: [1, 1],
+                pads: [pad; 4],
+            };
+            let x: Vec<i8> = (0..3 * 9 * width).map(|_| rng.i8(..)).collect();
+            let layout = PatchLayout::new(&g, NR).unwrap();
+            if stride == 2 && width >= 32 {
+                assert!(layout.every_other.iter().any(|&e| e), "{g:?} exercises the shuffle");
+            }
+            let (mut plane, mut patches) = (Vec::new(), Patches::default());
+            flip_padded(&g, &x, rng.i32(-128..128), &mut plane);
+            patches.pack(&plane, &layout);
+            let (k, cols) = (layout.row_offsets.len(), layout.column_offsets.len());
+            for p in 0..cols.div_ceil(NR) {
+                let panel = patches.panel(p);
+                for q in 0..k.div_ceil(4) {
+                    for (j, &col) in layout.column_offsets[p * NR..cols.min((p + 1) * NR)].iter().enumerate()
+                    {
+                        let bytes = panel[q * NR + j].to_le_bytes();
+                        for t in (0..4).filter(|t| 4 * q + t < k) {
+                            let want = plane[layout.row_offsets[4 * q + t] + col];
+                            assert_eq!(bytes[t], want, "{g:?}: panel {p} quad {q} column {j} row {t}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     /// Every kernel here, and the portable one, against sums computed
     /// from the unpacked values, on panels and quads cut at every edge.
