@@ -12,14 +12,18 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tract_onnx::prelude::TractResult;
 
-/// Where a layer's product runs.
+/// How a layer runs: for a convolution or dense layer, whose product
+/// kernels; for a depthwise one, which layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kernel {
-    /// Ours (`igemm.rs`).
+    /// Ours (`udot.rs`, `igemm.rs`; a depthwise layer channels-last).
     Ours,
     /// tract-linalg's, as its dispatch picks for the host.
     Tract,
+    /// A depthwise layer one channel at a time, 16 output pixels a step
+    /// (`depthwise.rs`): where a layer has few channels.
+    Planar,
 }
 
 impl Kernel {
@@ -27,41 +31,36 @@ impl Kernel {
         match self {
             Kernel::Ours => "ours",
             Kernel::Tract => "tract",
+            Kernel::Planar => "planar",
         }
     }
 }
 
 /// One layer's choice and what each candidate took per run at batch 1
-/// (`None`: not measured, because the kernel was fixed).
+/// (none: not measured, because the kernel was fixed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerChoice {
     pub layer: String,
     pub kernel: Kernel,
     /// The chosen kernel's name, as `models profile` shows it.
     pub name: String,
-    pub ours_us: Option<f64>,
-    pub tract_us: Option<f64>,
+    /// Microseconds per run of each candidate measured.
+    pub times: Vec<(Kernel, f64)>,
     /// Read from the cache rather than measured on this load.
     #[serde(skip)]
     pub cached: bool,
 }
 
 impl LayerChoice {
-    /// The runner-up's time per run, when both were measured.
+    /// The fastest of the others, when they were measured.
     pub fn runner_up(&self) -> Option<(Kernel, f64)> {
-        match (self.kernel, self.ours_us, self.tract_us) {
-            (Kernel::Ours, _, Some(t)) => Some((Kernel::Tract, t)),
-            (Kernel::Tract, Some(o), _) => Some((Kernel::Ours, o)),
-            _ => None,
-        }
+        let others = self.times.iter().filter(|(k, _)| *k != self.kernel);
+        others.copied().min_by(|a, b| a.1.total_cmp(&b.1))
     }
 
     /// The chosen kernel's time per run.
     pub fn chosen_us(&self) -> Option<f64> {
-        match self.kernel {
-            Kernel::Ours => self.ours_us,
-            Kernel::Tract => self.tract_us,
-        }
+        self.times.iter().find(|(k, _)| *k == self.kernel).map(|t| t.1)
     }
 }
 
@@ -114,45 +113,43 @@ impl Chooser {
         Chooser { fixed, signature, cached, file, made: Vec::new(), measured: 0 }
     }
 
-    /// Builds the layer on its kernel: the fixed one, the cached choice, or
-    /// the faster of both timed on `input` (one image or row at batch 1).
+    /// Builds the layer on one of `candidates` (the first is the default):
+    /// the fixed one where it is a candidate (else the default), the cached
+    /// choice, or the fastest timed by `run` (one image or row at batch 1).
     pub fn pick<Op>(
         &mut self,
         layer: &str,
+        candidates: &[Kernel],
         build: impl Fn(Kernel) -> TractResult<Op>,
         name: impl Fn(&Op) -> String,
         run: impl Fn(&Op) -> TractResult<()>,
     ) -> TractResult<Op> {
-        if let Some(kernel) = self.fixed {
+        anyhow::ensure!(!candidates.is_empty(), "{layer}: no kernel to choose from");
+        if let Some(fixed) = self.fixed {
+            let kernel = if candidates.contains(&fixed) { fixed } else { candidates[0] };
             let op = build(kernel)?;
             let choice = LayerChoice {
                 layer: layer.into(),
                 kernel,
                 name: name(&op),
-                ours_us: None,
-                tract_us: None,
+                times: Vec::new(),
                 cached: false,
             };
             self.made.push(choice);
             return Ok(op);
         }
-        if let Some(choice) = self.cached.get(layer) {
+        if let Some(choice) = self.cached.get(layer).filter(|c| candidates.contains(&c.kernel)) {
             let op = build(choice.kernel)?;
             self.made.push(LayerChoice { cached: true, ..choice.clone() });
             return Ok(op);
         }
-        let (ours, tract) = (build(Kernel::Ours)?, build(Kernel::Tract)?);
-        let [ours_us, tract_us] = time_both([(&ours, Kernel::Ours), (&tract, Kernel::Tract)], &run)?;
+        let ops = candidates.iter().map(|&k| Ok((build(k)?, k))).collect::<TractResult<Vec<_>>>()?;
+        let times = time_all(&ops, &run)?;
         self.measured += 1;
-        let (kernel, op) = if ours_us <= tract_us { (Kernel::Ours, ours) } else { (Kernel::Tract, tract) };
-        self.made.push(LayerChoice {
-            layer: layer.into(),
-            kernel,
-            name: name(&op),
-            ours_us: Some(ours_us),
-            tract_us: Some(tract_us),
-            cached: false,
-        });
+        let best = (0..ops.len()).min_by(|&a, &b| times[a].total_cmp(&times[b])).unwrap_or(0);
+        let times: Vec<(Kernel, f64)> = candidates.iter().copied().zip(times).collect();
+        let (op, kernel) = ops.into_iter().nth(best).expect("best indexes ops");
+        self.made.push(LayerChoice { layer: layer.into(), kernel, name: name(&op), times, cached: false });
         Ok(op)
     }
 
@@ -191,30 +188,27 @@ fn read_cache(path: &Path, signature: &str) -> HashMap<String, LayerChoice> {
 }
 
 /// Per-run time of each candidate at batch 1: runs alternate between them
-/// (so a noisy moment costs both), the minimum is kept, and each gets at
-/// least 3 runs and about 1 ms, at most 50 runs: a few ms per layer.
-fn time_both<Op>(
-    candidates: [(&Op, Kernel); 2],
-    run: &impl Fn(&Op) -> TractResult<()>,
-) -> TractResult<[f64; 2]> {
-    let mut best = [Duration::MAX; 2];
+/// (so a noisy moment costs all), the minimum is kept, and each gets at
+/// least 3 runs, all together about 2 ms, at most 50: a few ms a layer.
+fn time_all<Op>(candidates: &[(Op, Kernel)], run: &impl Fn(&Op) -> TractResult<()>) -> TractResult<Vec<f64>> {
+    let mut best = vec![Duration::MAX; candidates.len()];
     let mut spent = Duration::ZERO;
     for (op, _) in candidates {
         run(op)?; // warm-up: first-touch of buffers and caches
     }
     let mut runs = 0;
     while runs < 3 || (spent < Duration::from_millis(2) && runs < 50) {
-        for (i, &(op, kernel)) in candidates.iter().enumerate() {
+        for ((op, kernel), best) in candidates.iter().zip(&mut best) {
             let start = Instant::now();
             run(op)?;
-            std::thread::sleep(failpoint_delay(kernel));
+            std::thread::sleep(failpoint_delay(*kernel));
             let took = start.elapsed();
-            best[i] = best[i].min(took);
+            *best = (*best).min(took);
             spent += took;
         }
         runs += 1;
     }
-    Ok(best.map(|d| d.as_secs_f64() * 1e6))
+    Ok(best.into_iter().map(|d| d.as_secs_f64() * 1e6).collect())
 }
 
 /// Fault injection (`--features failpoints`):
@@ -303,17 +297,11 @@ mod tests {
     /// A fake layer whose kernels take the times the test gives.
     fn pick(chooser: &mut Chooser, layer: &str, ours: u64, tract: u64) -> Kernel {
         let took = |k: Kernel| Duration::from_micros(if k == Kernel::Ours { ours } else { tract });
-        chooser
-            .pick(
-                layer,
-                Ok,
-                |k| k.as_str().into(),
-                |&k| {
-                    std::thread::sleep(took(k));
-                    Ok(())
-                },
-            )
-            .unwrap()
+        let run = |&k: &Kernel| {
+            std::thread::sleep(took(k));
+            Ok(())
+        };
+        chooser.pick(layer, &[Kernel::Ours, Kernel::Tract], Ok, |k| k.as_str().into(), run).unwrap()
     }
 
     #[test]
@@ -327,7 +315,7 @@ mod tests {
         assert_eq!(pick(&mut first, "conv2", 200, 3000), Kernel::Ours);
         assert_eq!(first.measured, 2);
         let conv1 = &first.made[0];
-        assert!(conv1.tract_us.unwrap() < conv1.ours_us.unwrap(), "{conv1:?}");
+        assert!(conv1.chosen_us().unwrap() < conv1.runner_up().unwrap().1, "{conv1:?}");
         assert_eq!(conv1.runner_up().map(|r| r.0), Some(Kernel::Ours));
         first.save().unwrap();
         assert!(dir.path().join("kernels/ab12.json").is_file());
@@ -358,7 +346,7 @@ mod tests {
         let cache = KernelCache { dir: dir.path().to_owned(), reuse: true };
         let mut fixed = Chooser::with_signature(Some(&cache), "cd", "cpu".into(), Some(Kernel::Ours));
         assert_eq!(pick(&mut fixed, "conv1", 3000, 1), Kernel::Ours);
-        assert_eq!((fixed.measured, fixed.made[0].ours_us), (0, None));
+        assert_eq!((fixed.measured, fixed.made[0].chosen_us()), (0, None));
         fixed.save().unwrap();
         assert!(!dir.path().join("cd.json").exists());
 
@@ -368,6 +356,28 @@ mod tests {
         chooser.save().unwrap();
         let reread = Chooser::with_signature(Some(&cache), "cd", "cpu".into(), None);
         assert_eq!(reread.cached["conv1"].kernel, Kernel::Tract);
+    }
+
+    #[test]
+    fn the_fastest_of_three_wins_and_a_fixed_kernel_that_is_no_candidate_leaves_the_default() {
+        let took = |k: Kernel| match k {
+            Kernel::Ours => 900,
+            Kernel::Tract => 2000,
+            Kernel::Planar => 100,
+        };
+        let run = |&k: &Kernel| {
+            std::thread::sleep(Duration::from_micros(took(k)));
+            Ok(())
+        };
+        let all = [Kernel::Ours, Kernel::Planar, Kernel::Tract];
+        let mut chooser = Chooser::with_signature(None, "ef", "cpu".into(), None);
+        assert_eq!(chooser.pick("dw", &all, Ok, |k| k.as_str().into(), run).unwrap(), Kernel::Planar);
+        assert_eq!(chooser.made[0].runner_up().map(|r| r.0), Some(Kernel::Ours));
+        assert_eq!(chooser.made[0].times.len(), 3);
+        let mut fixed = Chooser::with_signature(None, "ef", "cpu".into(), Some(Kernel::Tract));
+        let depthwise = [Kernel::Ours, Kernel::Planar];
+        assert_eq!(fixed.pick("dw", &depthwise, Ok, |k| k.as_str().into(), run).unwrap(), Kernel::Ours);
+        assert_eq!(fixed.measured, 0);
     }
 
     #[test]

@@ -18,7 +18,9 @@
 //! NEON on arm64 (`smlal` per tap), and a portable one; all are tested
 //! bit-exact against the same scalar reference.
 
+use super::choice;
 use super::conv::ConvSpec;
+use super::planar;
 use super::requant::{output_range, per, requantize_one};
 use super::transpose;
 use std::sync::Arc;
@@ -41,6 +43,10 @@ enum Kernel {
     Avx512Vnni,
     #[cfg(target_arch = "aarch64")]
     Neon,
+    /// NCHW, one channel at a time across 16 output pixels (`planar.rs`);
+    /// never `best`: chosen per layer by measurement.
+    #[cfg(target_arch = "x86_64")]
+    Planar,
 }
 
 impl Kernel {
@@ -84,6 +90,8 @@ impl Kernel {
             Kernel::Avx512Vnni => "edgeinfer avx512 vnni i16x2",
             #[cfg(target_arch = "aarch64")]
             Kernel::Neon => "edgeinfer neon i16",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Planar => "edgeinfer avx2 planar i16x2",
         }
     }
 }
@@ -152,6 +160,8 @@ pub struct QDepthwise {
     pub spec: Arc<ConvSpec>,
     packed: Arc<Packed>,
     kernel: Kernel,
+    /// The planar kernel's filters, when it is the one.
+    planar: Option<Arc<planar::Filters>>,
 }
 
 impl PartialEq for QDepthwise {
@@ -239,9 +249,36 @@ impl QDepthwise {
         QDepthwise::build(spec, Kernel::best())
     }
 
+    /// The layouts a layer can run in here, channels-last first.
+    pub fn candidates(spec: &ConvSpec) -> Vec<choice::Kernel> {
+        let mut candidates = vec![choice::Kernel::Ours];
+        if planar::Filters::fits(spec) {
+            candidates.push(choice::Kernel::Planar);
+        }
+        candidates
+    }
+
+    /// In the layout `choice::Chooser` picked: `Planar` where it `fits`,
+    /// channels-last on the best kernel otherwise.
+    pub fn on(spec: ConvSpec, kernel: choice::Kernel) -> TractResult<QDepthwise> {
+        #[cfg(target_arch = "x86_64")]
+        if kernel == choice::Kernel::Planar && planar::Filters::fits(&spec) {
+            return QDepthwise::build(spec, Kernel::Planar);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = kernel; // one layout off x86-64
+        QDepthwise::new(spec)
+    }
+
     /// The op once per kernel this host can run (the tests compare them all).
     pub fn every_kernel(spec: ConvSpec) -> TractResult<Vec<QDepthwise>> {
-        Kernel::available().into_iter().map(|kernel| QDepthwise::build(spec.clone(), kernel)).collect()
+        #[allow(unused_mut)] // pushed to only on x86-64
+        let mut kernels = Kernel::available();
+        #[cfg(target_arch = "x86_64")]
+        if planar::Filters::fits(&spec) {
+            kernels.push(Kernel::Planar);
+        }
+        kernels.into_iter().map(|kernel| QDepthwise::build(spec.clone(), kernel)).collect()
     }
 
     fn build(spec: ConvSpec, kernel: Kernel) -> TractResult<QDepthwise> {
@@ -312,7 +349,11 @@ impl QDepthwise {
             Kernel::Avx512 | Kernel::Avx512Vnni => packed.with_wide_layout(),
             _ => packed,
         };
-        Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel })
+        #[cfg(target_arch = "x86_64")]
+        let planar = (kernel == Kernel::Planar).then(|| Arc::new(planar::Filters::new(&spec)));
+        #[cfg(not(target_arch = "x86_64"))]
+        let planar = None;
+        Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel, planar })
     }
 
     /// Convolves `images` NCHW images held as i8-domain values.
@@ -323,6 +364,13 @@ impl QDepthwise {
         anyhow::ensure!(x.len() == images * image_len, "QDepthwise: input of {} values", x.len());
         let pixels = oh * ow;
         let mut out = vec![0i8; images * g.in_channels * pixels];
+        if let Some(filters) = &self.planar {
+            let mut plane = Vec::new();
+            for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
+                filters.run(&self.spec, image, &mut plane, y);
+            }
+            return Ok(out);
+        }
         let (mut plane, mut last) = (Vec::new(), vec![0i8; pixels * self.packed.channels]);
         for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
             self.widen_channels_last(image, &mut plane);
@@ -377,6 +425,8 @@ impl QDepthwise {
                     // SAFETY: as above, where NEON was detected.
                     Kernel::Neon => unsafe { self.block_neon(plane, at, block, &bounds, dst) },
                     Kernel::Portable => self.block_portable(plane, at, block, &bounds, dst),
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Planar => unreachable!("the planar kernel runs in `run`, not per pixel"),
                 }
             }
         }

@@ -19,11 +19,13 @@ mod gemm;
 mod igemm;
 mod patches;
 mod pattern;
+mod planar;
 pub mod pool;
 pub mod requant;
 mod transpose;
 mod udot;
 
+use choice::Kernel;
 use pattern::{Found, Fusion};
 use std::collections::HashMap;
 use tract_onnx::data_resolver::ModelDataResolver;
@@ -137,12 +139,29 @@ fn replace(
             let image: Vec<i8> = sample(g.in_channels * g.height * g.width);
             Box::new(chooser.pick(
                 &found.node,
+                &[Kernel::Ours, Kernel::Tract],
                 |kernel| conv::QConv::on(spec.clone(), kernel),
                 conv::QConv::kernel_name,
                 |op| op.run(&image, 1).map(drop),
             )?)
         }
-        Fusion::Depthwise(spec) => Box::new(depthwise::QDepthwise::new(sized(spec, &facts[0])?)?),
+        Fusion::Depthwise(spec) => {
+            let spec = sized(spec, &facts[0])?;
+            let candidates = depthwise::QDepthwise::candidates(&spec);
+            if candidates.len() == 1 {
+                Box::new(depthwise::QDepthwise::new(spec)?)
+            } else {
+                let g = spec.geometry;
+                let image: Vec<i8> = sample(g.in_channels * g.height * g.width);
+                Box::new(chooser.pick(
+                    &found.node,
+                    &candidates,
+                    |kernel| depthwise::QDepthwise::on(spec.clone(), kernel),
+                    |op| op.kernel_name().into(),
+                    |op| op.run(&image, 1).map(drop),
+                )?)
+            }
+        }
         Fusion::Dense(spec) => {
             anyhow::ensure!(
                 types_match(&facts[0], spec.input.qtype),
@@ -152,6 +171,7 @@ fn replace(
             let row = sample(spec.inputs);
             Box::new(chooser.pick(
                 &found.node,
+                &[Kernel::Ours, Kernel::Tract],
                 |kernel| dense::QDense::on(spec.clone(), kernel),
                 dense::QDense::kernel_name,
                 |op| op.run(&row, 1).map(drop),
