@@ -49,7 +49,8 @@ pub struct NodeConfig {
     /// and model.toml.
     pub models_dir: PathBuf,
     /// Where the node keeps what outlives it: the disk cache, the cloud
-    /// spool, the deployment state and the capture.
+    /// spool, the request journal, the deployment state, the capture and
+    /// each model's kernel choices (`kernels/`).
     pub state_dir: PathBuf,
     /// On SIGTERM, how long requests in flight may take to finish; the rest
     /// stay unacknowledged with the broker, which redelivers them.
