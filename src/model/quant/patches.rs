@@ -269,37 +269,32 @@ impl PatchLayout {
 /// unsigned side reads), inside a border of the flipped zero point: a
 /// padded tap holds the input's real zero, as in `widen_padded`.
 pub fn flip_padded(g: &Geometry, x: &[i8], zero: i32, out: &mut Vec<u8>) {
-    let (hp, wp) = (g.height + g.pads[0] + g.pads[2], g.width + g.pads[1] + g.pads[3]);
-    out.clear();
-    if g.pads == [0; 4] {
-        // One pass, not one per image row (kws's rows are 5 bytes).
-        out.extend(x[..g.in_channels * g.height * g.width].iter().map(|&s| s as u8 ^ 0x80));
-        return;
-    }
-    out.resize(g.in_channels * hp * wp, (zero + 128) as u8);
-    for c in 0..g.in_channels {
-        for y in 0..g.height {
-            let src = &x[(c * g.height + y) * g.width..(c * g.height + y + 1) * g.width];
-            let start = c * hp * wp + (y + g.pads[0]) * wp + g.pads[1];
-            for (d, &s) in out[start..start + g.width].iter_mut().zip(src) {
-                *d = s as u8 ^ 0x80;
-            }
-        }
-    }
+    pad_into(g, x, (zero + 128) as u8, |s| s as u8 ^ 0x80, out);
 }
 
 /// The image as i16 with its zero point subtracted, inside a border of
 /// zeros for the padding (a padded tap then contributes exactly nothing).
 pub fn widen_padded(g: &Geometry, x: &[i8], zero: i32, out: &mut Vec<i16>) {
+    pad_into(g, x, 0, |s| (s as i32 - zero) as i16, out);
+}
+
+/// The NCHW image `x`, each value mapped by `value`, inside a border of
+/// `border` as wide as the geometry's padding.
+fn pad_into<T: Copy>(g: &Geometry, x: &[i8], border: T, value: impl Fn(i8) -> T, out: &mut Vec<T>) {
     let (hp, wp) = (g.height + g.pads[0] + g.pads[2], g.width + g.pads[1] + g.pads[3]);
     out.clear();
-    out.resize(g.in_channels * hp * wp, 0);
+    if g.pads == [0; 4] {
+        // One pass, not one per image row (kws's rows are 5 values).
+        out.extend(x[..g.in_channels * g.height * g.width].iter().map(|&s| value(s)));
+        return;
+    }
+    out.resize(g.in_channels * hp * wp, border);
     for c in 0..g.in_channels {
         for y in 0..g.height {
             let src = &x[(c * g.height + y) * g.width..(c * g.height + y + 1) * g.width];
             let start = c * hp * wp + (y + g.pads[0]) * wp + g.pads[1];
             for (d, &s) in out[start..start + g.width].iter_mut().zip(src) {
-                *d = (s as i32 - zero) as i16;
+                *d = value(s);
             }
         }
     }
