@@ -181,9 +181,9 @@ pub fn product_on(
             // features (`TileKernel::available`); the slices are checked.
             match (kernel, left.mr) {
                 #[cfg(target_arch = "x86_64")]
-                (TileKernel::Avx512Vnni, 4) => unsafe { avx512_vnni_tile::<4>(a, b, k2, tile) },
+                (TileKernel::Avx512Vnni, 4) => unsafe { avx512_vnni_tile::<4, false>(a, b, k2, tile) },
                 #[cfg(target_arch = "x86_64")]
-                (TileKernel::Avx512Vnni, 1) => unsafe { avx512_vnni_tile::<1>(a, b, k2, tile) },
+                (TileKernel::Avx512Vnni, 1) => unsafe { avx512_vnni_tile::<1, false>(a, b, k2, tile) },
                 #[cfg(target_arch = "x86_64")]
                 (TileKernel::Avx2, 4) => unsafe { avx2_tile::<4>(a, b, k2, tile) },
                 #[cfg(target_arch = "x86_64")]
@@ -308,16 +308,22 @@ unsafe fn avx2_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, tile: &mut
     }
 }
 
-/// The register tile on AVX-512 VNNI: a whole 16-column panel is one zmm,
-/// so per pair of k it takes one load of the right panel, `MR` broadcasts
-/// and `MR` `vpdpwssd` (multiply the i16 pairs, add both products and the
-/// accumulator). Even and odd pairs of k go to separate accumulators, so
-/// the additions of one row do not wait on each other.
+/// The register tile on AVX-512 VNNI, for our products on i16 pairs and on
+/// byte quads (`udot.rs`) alike: a whole 16-column panel is one zmm, so per
+/// step of k it takes one load of the panel, `MR` broadcasts and `MR` dot
+/// products: `vpdpwssd` on i16 pairs, or with `QUADS` `vpdpbusd` on u8 x s8
+/// quads (the panel is the unsigned side). Even and odd steps go to separate
+/// accumulators, so the additions of one row do not wait on each other.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn avx512_vnni_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, tile: &mut [i32]) {
+pub(super) unsafe fn avx512_vnni_tile<const MR: usize, const QUADS: bool>(
+    a: &[u32],
+    b: &[u32],
+    steps: usize,
+    tile: &mut [i32],
+) {
     use std::arch::x86_64::*;
-    assert!(a.len() >= k2 * MR && b.len() >= k2 * NR && tile.len() >= MR * NR);
+    assert!(a.len() >= steps * MR && b.len() >= steps * NR && tile.len() >= MR * NR);
     unsafe {
         let mut even = [_mm512_setzero_si512(); MR];
         let mut odd = [_mm512_setzero_si512(); MR];
@@ -325,21 +331,26 @@ unsafe fn avx512_vnni_tile<const MR: usize>(a: &[u32], b: &[u32], k2: usize, til
         // A macro, not a closure: closures do not inherit the function's
         // target features, so their intrinsics would become calls.
         macro_rules! step {
-            ($acc:ident, $kp:expr) => {
-                let bv = _mm512_loadu_si512(pb.add($kp * NR) as *const __m512i);
+            ($acc:ident, $k:expr) => {
+                let panel = _mm512_loadu_si512(pb.add($k * NR) as *const __m512i);
                 for (i, row) in $acc.iter_mut().enumerate() {
-                    *row = _mm512_dpwssd_epi32(*row, _mm512_set1_epi32(*pa.add($kp * MR + i) as i32), bv);
+                    let w = _mm512_set1_epi32(*pa.add($k * MR + i) as i32);
+                    *row = if QUADS {
+                        _mm512_dpbusd_epi32(*row, panel, w)
+                    } else {
+                        _mm512_dpwssd_epi32(*row, panel, w)
+                    };
                 }
             };
         }
-        let mut kp = 0;
-        while kp + 1 < k2 {
-            step!(even, kp);
-            step!(odd, kp + 1);
-            kp += 2;
+        let mut k = 0;
+        while k + 1 < steps {
+            step!(even, k);
+            step!(odd, k + 1);
+            k += 2;
         }
-        if kp < k2 {
-            step!(even, kp);
+        if k < steps {
+            step!(even, k);
         }
         let out = tile.as_mut_ptr();
         for i in 0..MR {

@@ -20,8 +20,9 @@
 
 use super::patches::PatchLayout;
 
-/// Columns of a patch panel: one zmm register (or two ymm) of 16 i32.
-pub const NR: usize = 16;
+/// Columns of a patch panel: one zmm register (or two ymm) of 16 i32, as
+/// in `igemm`, whose AVX-512 tile both products share.
+pub const NR: usize = super::igemm::NR;
 /// Rows of a weight panel: the tile is `MR x NR`.
 pub const MR: usize = 4;
 
@@ -251,7 +252,9 @@ pub fn product_on(
             // features (`TileKernel::available`); the slices are checked.
             match kernel {
                 #[cfg(target_arch = "x86_64")]
-                TileKernel::Avx512Vnni => unsafe { avx512_vnni_tile(a, b, k4, &mut tile) },
+                TileKernel::Avx512Vnni => unsafe {
+                    super::igemm::avx512_vnni_tile::<MR, true>(a, b, k4, &mut tile)
+                },
                 #[cfg(target_arch = "x86_64")]
                 TileKernel::AvxVnni => unsafe { avx_vnni_tile(a, b, k4, &mut tile) },
                 TileKernel::Portable => portable_tile(a, b, k4, &mut tile),
@@ -274,45 +277,7 @@ fn portable_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
     }
 }
 
-/// Per quad of k: one load of the patch panel, `MR` broadcasts of a
-/// weight quad and `MR` `vpdpbusd`. Even and odd quads go to separate
-/// accumulators, so the additions of one row do not wait on each other.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn avx512_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
-    use std::arch::x86_64::*;
-    assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
-    unsafe {
-        let mut even = [_mm512_setzero_si512(); MR];
-        let mut odd = [_mm512_setzero_si512(); MR];
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        // A macro, not a closure: closures do not inherit the function's
-        // target features, so their intrinsics would become calls.
-        macro_rules! step {
-            ($acc:ident, $q:expr) => {
-                let u = _mm512_loadu_si512(pb.add($q * NR) as *const __m512i);
-                for (i, row) in $acc.iter_mut().enumerate() {
-                    *row = _mm512_dpbusd_epi32(*row, u, _mm512_set1_epi32(*pa.add($q * MR + i) as i32));
-                }
-            };
-        }
-        let mut q = 0;
-        while q + 1 < k4 {
-            step!(even, q);
-            step!(odd, q + 1);
-            q += 2;
-        }
-        if q < k4 {
-            step!(even, q);
-        }
-        let out = tile.as_mut_ptr();
-        for i in 0..MR {
-            _mm512_storeu_si512(out.add(i * NR) as *mut __m512i, _mm512_add_epi32(even[i], odd[i]));
-        }
-    }
-}
-
-/// The same on AVX-VNNI: a panel is two ymm, so `2 * MR` accumulators.
+/// On AVX-VNNI: a panel is two ymm, so `2 * MR` accumulators.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avxvnni")]
 unsafe fn avx_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
