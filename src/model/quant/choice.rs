@@ -240,7 +240,7 @@ fn fixed() -> Option<Kernel> {
 /// stepping and feature words from `cpuid`, or the arm64 identification
 /// and features) and the kernels each side would run here, which also
 /// changes with `EDGEINFER_AVX512` and with a build whose kernels differ.
-pub fn cpu_signature() -> String {
+fn cpu_signature() -> String {
     static SIGNATURE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SIGNATURE
         .get_or_init(|| {
