@@ -27,6 +27,34 @@ pub fn before_declutter(model: &mut TypedModel) -> TractResult<Vec<Applied>> {
     Ok(applied)
 }
 
+/// Runs the passes that need the decluttered graph; returns those that
+/// changed something.
+pub fn after_declutter(model: &mut TypedModel) -> TractResult<Vec<Applied>> {
+    let n = move_channels_first_ourselves(model)?;
+    Ok(if n > 0 { vec![Applied { pass: "int8-channels-first", nodes: n }] } else { Vec::new() })
+}
+
+/// Every move of an 8-bit channels-last tensor to channels-first that is
+/// left once declutter has cancelled what it can becomes
+/// [`ChannelsFirst`](super::quant::layout::ChannelsFirst): the same bytes,
+/// 16 pixels a step instead of tract's element by element.
+fn move_channels_first_ourselves(model: &mut TypedModel) -> TractResult<usize> {
+    use super::quant::layout::ChannelsFirst;
+    let targets: Vec<usize> = model
+        .nodes()
+        .iter()
+        .filter(|node| node.op_as::<AxisOp>() == Some(&AxisOp::Move(3, 1)))
+        .filter(|node| node.inputs.len() == 1)
+        .filter(|node| model.outlet_fact(node.inputs[0]).is_ok_and(ChannelsFirst::fits))
+        .map(|node| node.id)
+        .collect();
+    for &id in &targets {
+        let node = model.node(id).clone();
+        TypedModelPatch::replace_single_op(model, &node, &node.inputs, ChannelsFirst)?.apply(model)?;
+    }
+    Ok(targets.len())
+}
+
 /// tract's `DequantizeLinearF32::declutter` walks from a DequantizeLinear
 /// through every op whose axes map one to one, and folds the chain up to a
 /// QuantizeLinear into a 256-entry lookup table. Softmax maps its axes one

@@ -478,8 +478,14 @@ fn parse_onnx(
         if rewritten.total() > 0 {
             applied.push(super::passes::Applied { pass: "int8-ops", nodes: rewritten.total() });
         }
+        if rewritten.channels_last > 0 {
+            applied
+                .push(super::passes::Applied { pass: "int8-channels-last", nodes: rewritten.channels_last });
+        }
     }
-    Ok((typed.into_decluttered()?, batch, applied))
+    let mut typed = typed.into_decluttered()?;
+    applied.extend(super::passes::after_declutter(&mut typed)?);
+    Ok((typed, batch, applied))
 }
 
 fn datum_type(datatype: Datatype) -> DatumType {

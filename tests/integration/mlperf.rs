@@ -86,6 +86,18 @@ fn the_integer_rewrite_covers_every_conv_depthwise_included() {
         assert_eq!(count(&k.ours, "QConv"), pointwise, "{key}: {k:?}");
         assert_eq!(count(&k.ours, "QDepthwise"), depthwise, "{key}: {k:?}");
         assert!(k.runs_integer() && k.float.is_empty() && k.integer.is_empty(), "{key}: {k:?}");
+        // Where every convolution runs on the byte tile (the choice is made
+        // by timing, and an unoptimized build may time tract's kernels
+        // faster), each depthwise layer not on the planar kernel hands its
+        // output channels-last to the pointwise layer after it.
+        let choices = &case.model.kernel_choices;
+        let handed = case.model.passes.iter().find(|p| p.pass == "int8-channels-last").map_or(0, |p| p.nodes);
+        let planar = choices.iter().filter(|c| c.name.contains("planar")).count();
+        let on_bytes = choices.iter().filter(|c| c.name.contains("u8xs8")).count();
+        match on_bytes == pointwise {
+            true => assert_eq!(handed, depthwise - planar, "{key}: {choices:?} {:?}", case.model.passes),
+            false => assert!(handed <= depthwise - planar, "{key}: {choices:?} {:?}", case.model.passes),
+        }
     }
 }
 

@@ -16,23 +16,28 @@ pub struct QAdd {
 
 impl QAdd {
     pub fn run(&self, a: &[i8], b: &[i8]) -> Vec<i8> {
+        let mut out = vec![0i8; a.len().min(b.len())];
+        self.run_into(a, b, &mut out);
+        out
+    }
+
+    /// `run`, into `out` (as long as the shorter operand).
+    pub fn run_into(&self, a: &[i8], b: &[i8], out: &mut [i8]) {
         let (ka, kb) = (self.a.scale / self.output.scale, self.b.scale / self.output.scale);
         let (za, zb) = (self.a.zero_i8(), self.b.zero_i8());
         let zy = self.output.zero_i8();
         let (lo, hi) = output_range(&self.output, self.activation);
         let (lo_f, hi_f) = ((lo - zy) as f32, (hi - zy) as f32);
-        let mut out = vec![0i8; a.len().min(b.len())];
         #[allow(unused_mut)] // assigned only on x86-64
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
         if super::cpu::avx2() {
-            done = unsafe { add_avx2(a, b, [za, zb, zy], [ka, kb, lo_f, hi_f], &mut out) };
+            done = unsafe { add_avx2(a, b, [za, zb, zy], [ka, kb, lo_f, hi_f], out) };
         }
         for ((o, &x), &y) in out[done..].iter_mut().zip(&a[done..]).zip(&b[done..]) {
             let v = ((x as i32 - za) as f32 * ka + (y as i32 - zb) as f32 * kb).max(lo_f).min(hi_f);
             *o = (round_half_even(v) as i32 + zy) as i8;
         }
-        out
     }
 }
 
@@ -85,8 +90,11 @@ impl EvalOp for QAdd {
         anyhow::ensure!(inputs[0].shape() == inputs[1].shape(), "QAdd: operands of different shapes");
         let a = self.a.qtype.to_i8(requant::bytes_of(&inputs[0])?);
         let b = self.b.qtype.to_i8(requant::bytes_of(&inputs[1])?);
-        let y = self.run(&a, &b);
-        Ok(tvec!(requant::tensor(self.output.qtype, inputs[0].shape(), y)?.into_tvalue()))
+        let y = requant::tensor_with(self.output.qtype, inputs[0].shape(), |y| {
+            self.run_into(&a, &b, y);
+            Ok(())
+        })?;
+        Ok(tvec!(y.into_tvalue()))
     }
 }
 

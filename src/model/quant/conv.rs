@@ -9,8 +9,10 @@
 use super::choice::Kernel;
 use super::gemm::Weights;
 use super::igemm;
-use super::patches::{Geometry, PatchLayout, flip_padded, im2col, pack_panels, widen_padded};
+use super::patches::{Geometry, Layout, PatchLayout, flip_padded, im2col, pack_panels, widen_padded};
 use super::requant::{self, Activation, QParam, multipliers, output_range, per, requantize_row};
+#[cfg(target_arch = "x86_64")]
+use super::requant::{requantize_tile_avx2, requantize_tile_avx512};
 use super::udot;
 use std::sync::Arc;
 use tract_onnx::prelude::*;
@@ -55,6 +57,9 @@ pub struct QConv {
     offsets: Arc<Vec<i32>>,
     multipliers: Arc<Vec<f32>>,
     any_weight_zero: bool,
+    /// How the input sits in memory: channels-first, or channels-last from
+    /// a depthwise layer before it (`taking_channels_last`).
+    input_layout: Layout,
 }
 
 impl PartialEq for QConv {
@@ -79,6 +84,26 @@ impl QConv {
         QConv::build(spec, false)
     }
 
+    /// On the byte tile `kernel` whatever the host has (tests run the
+    /// portable one everywhere); the weights' zero points must be 0.
+    #[cfg(test)]
+    pub(super) fn on_byte_tile(spec: ConvSpec, kernel: udot::TileKernel) -> TractResult<QConv> {
+        anyhow::ensure!(spec.weight_zero.iter().all(|&z| z == 0), "the byte tile needs zero points of 0");
+        let mut op = QConv::build(spec, true)?;
+        let (backend, offsets) = QConv::bytes_backend(&op.spec, kernel)?;
+        (op.backend, op.offsets) = (backend, Arc::new(offsets));
+        Ok(op)
+    }
+
+    fn bytes_backend(spec: &ConvSpec, kernel: udot::TileKernel) -> TractResult<(Backend, Vec<i32>)> {
+        let g = spec.geometry;
+        let weights = udot::Weights::pack(&spec.weights, g.out_channels, g.patch_len());
+        let zx = spec.input.zero_i8();
+        let offsets = weights.weight_offsets(zx).enumerate().map(|(c, o)| o + per(&spec.bias, c)).collect();
+        let layout = PatchLayout::new(&g, udot::NR)?;
+        Ok((Backend::Bytes(Arc::new(weights), Arc::new(layout), kernel), offsets))
+    }
+
     fn build(spec: ConvSpec, tract: bool) -> TractResult<QConv> {
         let g = spec.geometry;
         let [oh, ow] = g.output_hw()?;
@@ -92,11 +117,7 @@ impl QConv {
         } else if let (Some(kernel), false) =
             (udot::TileKernel::best(), spec.weight_zero.iter().any(|&z| z != 0))
         {
-            let weights = udot::Weights::pack(&spec.weights, g.out_channels, k);
-            let offsets =
-                weights.weight_offsets(zx).enumerate().map(|(c, o)| o + per(&spec.bias, c)).collect();
-            let layout = PatchLayout::new(&g, udot::NR)?;
-            (Backend::Bytes(Arc::new(weights), Arc::new(layout), kernel), offsets)
+            QConv::bytes_backend(&spec, kernel)?
         } else {
             let left = igemm::Left::pack(&spec.weights, g.out_channels, k, 4, |c| per(&spec.weight_zero, c));
             let layout = PatchLayout::new(&g, igemm::NR)?;
@@ -113,6 +134,7 @@ impl QConv {
             offsets: Arc::new(offsets),
             multipliers: Arc::new(multipliers),
             any_weight_zero,
+            input_layout: Layout::ChannelsFirst,
         })
     }
 
@@ -124,25 +146,48 @@ impl QConv {
         }
     }
 
+    /// This op reading its input channels-last, where it can: a pointwise
+    /// convolution on the byte tile, whose packing then loads a pixel's
+    /// channels four at a time instead of transposing.
+    pub fn taking_channels_last(&self) -> Option<QConv> {
+        let bytes = matches!(self.backend, Backend::Bytes(..));
+        (bytes && self.spec.geometry.is_pointwise())
+            .then(|| QConv { input_layout: Layout::ChannelsLast, ..self.clone() })
+    }
+
     /// Convolves `images` NCHW images held as i8-domain values.
     pub fn run(&self, x: &[i8], images: usize) -> TractResult<Vec<i8>> {
+        let mut out = vec![0i8; images * self.spec.geometry.output_len()?];
+        self.run_into(x, images, &mut out)?;
+        Ok(out)
+    }
+
+    /// `run`, writing every value of `out` (`images` NCHW outputs); the
+    /// images are channels-last if the op is `taking_channels_last`.
+    pub fn run_into(&self, x: &[i8], images: usize, out: &mut [i8]) -> TractResult<()> {
         let g = self.spec.geometry;
+        let channels_last = self.input_layout == Layout::ChannelsLast;
         let [oh, ow] = g.output_hw()?;
         let image_len = g.in_channels * g.height * g.width;
         anyhow::ensure!(x.len() == images * image_len, "QConv: input of {} values", x.len());
         let n = oh * ow;
-        let mut out = vec![0i8; images * g.out_channels * n];
+        anyhow::ensure!(out.len() == images * g.out_channels * n, "QConv: output of {} values", out.len());
         match &self.backend {
             Backend::Bytes(weights, layout, kernel) => {
                 let (mut patches, mut plane) = (udot::Patches::default(), Vec::new());
                 for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.out_channels * n)) {
-                    flip_padded(&g, image, self.spec.input.zero_i8(), &mut plane);
-                    patches.pack(&plane, layout);
+                    if channels_last {
+                        patches.pack_channels_last(image, n, g.in_channels);
+                    } else {
+                        flip_padded(&g, image, self.spec.input.zero_i8(), &mut plane);
+                        patches.pack(&plane, layout);
+                    }
                     self.requantize_tiles(udot::MR, udot::NR, n, y, |emit| {
                         udot::product_on(*kernel, weights, &patches, emit)
                     });
                 }
             }
+            _ if channels_last => anyhow::bail!("QConv: a channels-last input off the byte tile"),
             Backend::Ours(left, layout) => {
                 let (mut right, mut plane) = (igemm::Right::default(), Vec::new());
                 for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.out_channels * n)) {
@@ -159,14 +204,48 @@ impl QConv {
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// Gathers the `mr x nr` tiles a product hands to its `emit` into one
-    /// i32 row per channel, then requantizes each row into `y`
-    /// (`out_channels x n`) in one call: per tile, the call and its scalar
-    /// tail cost as much as the arithmetic (kws: 20% of the model's time).
+    /// Requantizes the `mr x nr` tiles a product hands to its `emit` into
+    /// `y` (`out_channels x n`). With AVX2 and 16-column tiles, each tile
+    /// goes straight to `y` in registers (`requantize_tile_avx2`, or
+    /// `_avx512` with one register a row); elsewhere the tiles are gathered into one i32
+    /// row per channel and each row requantized in one call, since per tile
+    /// the scalar code costs as much as the arithmetic.
     fn requantize_tiles(
+        &self,
+        mr: usize,
+        nr: usize,
+        n: usize,
+        y: &mut [i8],
+        product: impl FnOnce(&mut dyn FnMut(usize, usize, &[i32])),
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if nr == 16 && super::cpu::avx2() {
+            let channels = self.spec.geometry.out_channels;
+            let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+            let zy = self.spec.output.zero_i8();
+            let avx512 = super::cpu::avx512().is_some();
+            return product(&mut |r0, c0, tile| {
+                let (rows, width) = (mr.min(channels - r0), nr.min(n - c0));
+                let (biases, scales) = (&self.offsets[r0..r0 + rows], &self.multipliers[r0..r0 + rows]);
+                let (tile, y) = (&tile[..rows * nr], &mut y[r0 * n + c0..]);
+                // SAFETY: AVX2 (or AVX-512) is present; rows r0.. of y hold
+                // n values.
+                unsafe {
+                    match avx512 {
+                        true => requantize_tile_avx512(tile, width, biases, scales, [zy, lo, hi], y, n),
+                        false => requantize_tile_avx2(tile, width, biases, scales, [zy, lo, hi], y, n),
+                    }
+                }
+            });
+        }
+        self.requantize_gathered(mr, nr, n, y, product)
+    }
+
+    /// The gathering half of `requantize_tiles`.
+    fn requantize_gathered(
         &self,
         mr: usize,
         nr: usize,
@@ -272,17 +351,19 @@ impl Op for QConv {
 
     fn info(&self) -> TractResult<Vec<String>> {
         let g = &self.spec.geometry;
-        Ok(vec![format!(
-            "{}->{} k{:?} s{:?} d{:?} p{:?} {:?} on {}",
-            g.in_channels,
-            g.out_channels,
-            g.kernel,
-            g.strides,
-            g.dilations,
-            g.pads,
-            self.spec.activation,
-            self.kernel_name()
-        )])
+        Ok(vec![
+            format!(
+                "{}->{} k{:?} s{:?} d{:?} p{:?} {:?} on {}",
+                g.in_channels,
+                g.out_channels,
+                g.kernel,
+                g.strides,
+                g.dilations,
+                g.pads,
+                self.spec.activation,
+                self.kernel_name()
+            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" },
+        ])
     }
 
     op_as_typed_op!();
@@ -292,50 +373,49 @@ impl EvalOp for QConv {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        eval_nchw(&self.spec, &inputs, |x, images| self.run(x, images))
+        eval_conv(&self.spec, &inputs, Layout::ChannelsFirst, |x, images, y| self.run_into(x, images, y))
     }
 }
 
 impl TypedOp for QConv {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        nchw_output_facts(&self.spec, inputs)
+        conv_output_facts(&self.spec, inputs, [self.input_layout, Layout::ChannelsFirst])
     }
 
     as_op!();
 }
 
-/// Runs a convolution op's `run` on its one NCHW input, in the i8 domain,
-/// and stores the result as the output's type.
-pub(super) fn eval_nchw(
+/// Runs a convolution op's `run_into` on its one input, in the i8 domain,
+/// into an output of the output's type laid out as `output_layout`.
+pub(super) fn eval_conv(
     spec: &ConvSpec,
     inputs: &[TValue],
-    run: impl FnOnce(&[i8], usize) -> TractResult<Vec<i8>>,
+    output_layout: Layout,
+    run_into: impl FnOnce(&[i8], usize, &mut [i8]) -> TractResult<()>,
 ) -> TractResult<TVec<TValue>> {
     let input = &inputs[0];
     let images = input.shape()[0];
     let x = spec.input.qtype.to_i8(requant::bytes_of(input)?);
-    let y = run(&x, images)?;
     let g = spec.geometry;
     let [oh, ow] = g.output_hw()?;
-    Ok(tvec!(requant::tensor(spec.output.qtype, &[images, g.out_channels, oh, ow], y)?.into_tvalue()))
+    let shape = output_layout.shape([images, g.out_channels, oh, ow]);
+    let y = requant::tensor_with(spec.output.qtype, &shape, |y| run_into(&x, images, y))?;
+    Ok(tvec!(y.into_tvalue()))
 }
 
-/// `[N, out_channels, oh, ow]` of the output type, for an input of the
-/// spec's `[N, in_channels, height, width]`.
-pub(super) fn nchw_output_facts(spec: &ConvSpec, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
+/// The output's fact, `[N, out_channels, oh, ow]` in the output layout, for
+/// an input of the spec's `[N, in_channels, height, width]` in the input's.
+pub(super) fn conv_output_facts(
+    spec: &ConvSpec,
+    inputs: &[&TypedFact],
+    [input_layout, output_layout]: [Layout; 2],
+) -> TractResult<TVec<TypedFact>> {
     let g = spec.geometry;
     let shape = &inputs[0].shape;
-    anyhow::ensure!(
-        shape.rank() == 4
-            && shape[1] == g.in_channels.to_dim()
-            && shape[2] == g.height.to_dim()
-            && shape[3] == g.width.to_dim(),
-        "expects [N, {}, {}, {}], got {shape:?}",
-        g.in_channels,
-        g.height,
-        g.width
-    );
+    let want =
+        input_layout.shape([shape[0].clone(), g.in_channels.to_dim(), g.height.to_dim(), g.width.to_dim()]);
+    anyhow::ensure!(shape.rank() == 4 && shape.iter().eq(want.iter()), "expects {want:?}, got {shape:?}");
     let [oh, ow] = g.output_hw()?;
-    let dims: TVec<TDim> = tvec![shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()];
+    let dims = output_layout.shape([shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()]);
     Ok(tvec!(spec.output.qtype.datum_type().fact(dims)))
 }

@@ -20,6 +20,7 @@
 
 use super::choice;
 use super::conv::ConvSpec;
+use super::patches::Layout;
 use super::planar;
 use super::requant::{output_range, per, requantize_one};
 use super::transpose;
@@ -162,6 +163,9 @@ pub struct QDepthwise {
     kernel: Kernel,
     /// The planar kernel's filters, when it is the one.
     planar: Option<Arc<planar::Filters>>,
+    /// How the output sits in memory: channels-first, or channels-last for
+    /// the pointwise convolutions after it (`giving_channels_last`).
+    output_layout: Layout,
 }
 
 impl PartialEq for QDepthwise {
@@ -353,32 +357,72 @@ impl QDepthwise {
         let planar = (kernel == Kernel::Planar).then(|| Arc::new(planar::Filters::new(&spec)));
         #[cfg(not(target_arch = "x86_64"))]
         let planar = None;
-        Ok(QDepthwise { spec: Arc::new(spec), packed: Arc::new(packed), kernel, planar })
+        Ok(QDepthwise {
+            spec: Arc::new(spec),
+            packed: Arc::new(packed),
+            kernel,
+            planar,
+            output_layout: Layout::ChannelsFirst,
+        })
+    }
+
+    /// This op giving its output channels-last, the layout it computes
+    /// in, so no transpose back: not on the planar kernel, which computes
+    /// channels-first.
+    pub fn giving_channels_last(&self) -> Option<QDepthwise> {
+        self.planar.is_none().then(|| QDepthwise { output_layout: Layout::ChannelsLast, ..self.clone() })
     }
 
     /// Convolves `images` NCHW images held as i8-domain values.
     pub fn run(&self, x: &[i8], images: usize) -> TractResult<Vec<i8>> {
+        let mut out = vec![0i8; images * self.spec.geometry.output_len()?];
+        self.run_into(x, images, &mut out)?;
+        Ok(out)
+    }
+
+    /// `run`, writing every value of `out` (`images` outputs, NCHW or, if
+    /// the op is `giving_channels_last`, NHWC).
+    pub fn run_into(&self, x: &[i8], images: usize, out: &mut [i8]) -> TractResult<()> {
         let g = self.spec.geometry;
         let [oh, ow] = g.output_hw()?;
         let image_len = g.in_channels * g.height * g.width;
         anyhow::ensure!(x.len() == images * image_len, "QDepthwise: input of {} values", x.len());
         let pixels = oh * ow;
-        let mut out = vec![0i8; images * g.in_channels * pixels];
+        anyhow::ensure!(
+            out.len() == images * g.in_channels * pixels,
+            "QDepthwise: output of {} values",
+            out.len()
+        );
+        let channels_last = self.output_layout == Layout::ChannelsLast;
         if let Some(filters) = &self.planar {
+            anyhow::ensure!(!channels_last, "QDepthwise: a channels-last output from the planar kernel");
             let mut plane = Vec::new();
             for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
                 filters.run(&self.spec, image, &mut plane, y);
             }
-            return Ok(out);
+            return Ok(());
         }
         let (mut plane, mut last) = (Vec::new(), vec![0i8; pixels * self.packed.channels]);
         for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
             self.widen_channels_last(image, &mut plane);
+            if channels_last && self.packed.channels == g.in_channels {
+                self.convolve(&plane, [oh, ow], y);
+                continue;
+            }
             self.convolve(&plane, [oh, ow], &mut last);
+            if channels_last {
+                // The lanes past the last channel of each pixel dropped.
+                for (src, dst) in
+                    last.chunks_exact(self.packed.channels).zip(y.chunks_exact_mut(g.in_channels))
+                {
+                    dst.copy_from_slice(&src[..g.in_channels]);
+                }
+                continue;
+            }
             // Back to NCHW, the layout of the ops around this one.
             transpose::to_channels_first(&last, self.packed.channels, g.in_channels, pixels, y);
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The image as a padded `[hp][wp][channels]` plane of `x - zx`, zero
@@ -584,16 +628,18 @@ impl Op for QDepthwise {
 
     fn info(&self) -> TractResult<Vec<String>> {
         let g = &self.spec.geometry;
-        Ok(vec![format!(
-            "{} channels k{:?} s{:?} d{:?} p{:?} {:?} on {}",
-            g.in_channels,
-            g.kernel,
-            g.strides,
-            g.dilations,
-            g.pads,
-            self.spec.activation,
-            self.kernel_name()
-        )])
+        Ok(vec![
+            format!(
+                "{} channels k{:?} s{:?} d{:?} p{:?} {:?} on {}",
+                g.in_channels,
+                g.kernel,
+                g.strides,
+                g.dilations,
+                g.pads,
+                self.spec.activation,
+                self.kernel_name()
+            ) + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
+        ])
     }
 
     op_as_typed_op!();
@@ -603,13 +649,15 @@ impl EvalOp for QDepthwise {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        super::conv::eval_nchw(&self.spec, &inputs, |x, images| self.run(x, images))
+        super::conv::eval_conv(&self.spec, &inputs, self.output_layout, |x, images, y| {
+            self.run_into(x, images, y)
+        })
     }
 }
 
 impl TypedOp for QDepthwise {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        super::conv::nchw_output_facts(&self.spec, inputs)
+        super::conv::conv_output_facts(&self.spec, inputs, [Layout::ChannelsFirst, self.output_layout])
     }
 
     as_op!();

@@ -7,6 +7,28 @@
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::tract_linalg::pack::PackedFormat;
 
+/// How an op's 4-D activations sit in memory. Between our ops and tract's
+/// they are channels-first (NCHW, the ONNX layout); a depthwise layer
+/// hands its output to the pointwise convolutions after it channels-last,
+/// the layout it computes in, when they can read it (`mod.rs`,
+/// `channels_last_handoffs`): no transpose back and none in the packing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Layout {
+    #[default]
+    ChannelsFirst,
+    ChannelsLast,
+}
+
+impl Layout {
+    /// The 4-D shape of `[n, channels, h, w]` in this layout.
+    pub fn shape<D: Clone>(self, [n, c, h, w]: [D; 4]) -> TVec<D> {
+        match self {
+            Layout::ChannelsFirst => tvec![n, c, h, w],
+            Layout::ChannelsLast => tvec![n, h, w, c],
+        }
+    }
+}
+
 /// Shape of a convolution over one `[channels, height, width]` image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Geometry {
@@ -36,6 +58,12 @@ impl Geometry {
             dim(self.height, self.kernel[0], self.strides[0], self.dilations[0], self.pads[0], self.pads[2])?,
             dim(self.width, self.kernel[1], self.strides[1], self.dilations[1], self.pads[1], self.pads[3])?,
         ])
+    }
+
+    /// Values in one image's output: `out_channels x oh x ow`.
+    pub fn output_len(&self) -> TractResult<usize> {
+        let [oh, ow] = self.output_hw()?;
+        Ok(self.out_channels * oh * ow)
     }
 
     /// Rows of the patch matrix: one per input channel and kernel tap.

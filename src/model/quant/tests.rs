@@ -154,6 +154,31 @@ fn conv_case_of(
     })
 }
 
+/// `images` images of `[channels, pixels]` moved to `[pixels, channels]`.
+fn channels_last(x: &[i8], images: usize, channels: usize) -> Vec<i8> {
+    let pixels = x.len() / images.max(1) / channels.max(1);
+    x.chunks(channels * pixels)
+        .flat_map(|image| (0..pixels).flat_map(move |p| (0..channels).map(move |c| image[c * pixels + p])))
+        .collect()
+}
+
+/// A 1 x 1, stride 1, unpadded convolution: what reads a depthwise
+/// layer's output channels-last.
+fn pointwise_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
+    let pointwise = (1usize..70, 1usize..40, 1usize..9, 1usize..21).prop_map(|(ci, co, h, w)| Geometry {
+        in_channels: ci,
+        out_channels: co,
+        height: h,
+        width: w,
+        kernel: [1, 1],
+        strides: [1, 1],
+        dilations: [1, 1],
+        pads: [0; 4],
+    });
+    conv_case_of(pointwise, |g| g.out_channels * g.patch_len())
+        .prop_map(|(spec, x, images)| (ConvSpec { weight_zero: vec![0], ..spec }, x, images))
+}
+
 fn conv_case() -> impl Strategy<Value = (ConvSpec, Vec<i8>, usize)> {
     conv_case_of(geometry(), |g| g.out_channels * g.patch_len())
 }
@@ -203,9 +228,14 @@ proptest! {
     #[test]
     fn qdepthwise_is_bit_exact((spec, x, images) in depthwise_case()) {
         let want = depthwise_reference(&spec, &x, images);
+        let want_last = channels_last(&want, images, spec.geometry.out_channels);
         for op in QDepthwise::every_kernel(spec.clone()).unwrap() {
             let got = op.run(&x, images).unwrap();
             prop_assert_eq!(&got, &want, "{}, {:?}", op.kernel_name(), spec.geometry);
+            if let Some(op) = op.giving_channels_last() {
+                let got = op.run(&x, images).unwrap();
+                prop_assert_eq!(&got, &want_last, "{} channels-last, {:?}", op.kernel_name(), spec.geometry);
+            }
         }
     }
 
@@ -216,6 +246,20 @@ proptest! {
         prop_assert_eq!(&tract, &want, "tract kernels, {:?}", spec.geometry);
         let ours = QConv::on_our_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
         prop_assert_eq!(ours, want, "our kernels, {:?}", spec.geometry);
+    }
+
+    #[test]
+    fn qconv_reads_channels_last_bit_exact((spec, x, images) in pointwise_case()) {
+        let want = conv_reference(&spec, &x, images);
+        let x_last = channels_last(&x, images, spec.geometry.in_channels);
+        let mut tiles = super::udot::TileKernel::available();
+        tiles.push(super::udot::TileKernel::Portable);
+        for tile in tiles {
+            let op = QConv::on_byte_tile(spec.clone(), tile).unwrap();
+            prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "{:?} channels-first", tile);
+            let op = op.taking_channels_last().expect("a pointwise layer on the byte tile reads channels-last");
+            prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want, "{:?} channels-last, {:?}", tile, spec.geometry);
+        }
     }
 
     #[test]
@@ -260,7 +304,7 @@ proptest! {
     }
 
     #[test]
-    fn qglobal_avg_pool_is_bit_exact(input in qparam(), output in qparam(), plane in 1usize..100, planes in 1usize..6, seed in any::<u64>()) {
+    fn qglobal_avg_pool_is_bit_exact(input in qparam(), output in qparam(), plane in 1usize..100, planes in 1usize..40, seed in any::<u64>()) {
         let mut rng = fastrand::Rng::with_seed(seed);
         let x: Vec<i8> = (0..plane * planes).map(|_| rng.i8(..)).collect();
         // Dequantize, average in f32, quantize: the float graph onnxruntime runs.

@@ -127,10 +127,70 @@ impl Patches {
         }
     }
 
+    /// Packs a channels-last image (`pixels x channels`, i8 domain) as
+    /// the patches of a pointwise convolution: a quad of rows is four
+    /// adjacent channels of a pixel, so each word is one unaligned load,
+    /// its top bits flipped to u8. Bytes past the last channel belong to
+    /// the next pixel (or are 0 at the end): their weights are 0.
+    pub fn pack_channels_last(&mut self, x: &[i8], pixels: usize, channels: usize) {
+        assert!(x.len() >= pixels * channels);
+        (self.cols, self.k) = (pixels, channels);
+        let k4 = channels.div_ceil(4);
+        self.data.resize(pixels.div_ceil(NR) * k4 * NR, 0);
+        let word = |at: usize| match x.get(at..at + 4) {
+            Some(b) => quad([b[0] as u8, b[1] as u8, b[2] as u8, b[3] as u8]),
+            None => quad(std::array::from_fn(|t| x.get(at + t).map_or(0, |&v| v as u8))),
+        };
+        #[allow(unused_mut)] // advanced only on x86-64
+        let mut first = 0;
+        #[cfg(target_arch = "x86_64")]
+        if channels.is_multiple_of(4) && super::cpu::avx512().is_some() {
+            // SAFETY: AVX-512 F is present; every gathered word is inside
+            // x (whole quads of whole pixels).
+            first = unsafe { gather_channels_last(x, pixels, channels, &mut self.data) };
+        }
+        for (p, panel) in self.data.chunks_exact_mut(k4 * NR).enumerate().skip(first) {
+            let live = NR.min(pixels - p * NR);
+            for (q, out) in panel.chunks_exact_mut(NR).enumerate() {
+                for (j, o) in out[..live].iter_mut().enumerate() {
+                    *o = word((p * NR + j) * channels + 4 * q) ^ 0x8080_8080;
+                }
+                out[live..].fill(0);
+            }
+        }
+    }
+
     fn panel(&self, p: usize) -> &[u32] {
         let len = self.k.div_ceil(4) * NR;
         &self.data[p * len..(p + 1) * len]
     }
+}
+
+/// `Patches::pack_channels_last`'s whole panels, a quad of rows in one
+/// gather of 16 words (one per pixel, `channels` bytes apart); returns the
+/// panels done.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gather_channels_last(x: &[i8], pixels: usize, channels: usize, data: &mut [u32]) -> usize {
+    use std::arch::x86_64::*;
+    let (panels, k4) = (pixels / NR, channels / 4);
+    let steps: [i32; NR] = std::array::from_fn(|j| (j * channels) as i32);
+    // SAFETY: 16 i32 from a 16-element array.
+    let offsets = unsafe { _mm512_loadu_si512(steps.as_ptr() as *const __m512i) };
+    let flip = _mm512_set1_epi32(0x8080_8080u32 as i32);
+    for p in 0..panels {
+        for q in 0..k4 {
+            // SAFETY: pixel p * NR + j, channels 4q..4q + 4, inside x; the
+            // panel's quad q inside data.
+            unsafe {
+                let base = x.as_ptr().add(p * NR * channels + 4 * q) as *const i32;
+                let words = _mm512_i32gather_epi32::<1>(offsets, base);
+                let out = data.as_mut_ptr().add((p * k4 + q) * NR) as *mut __m512i;
+                _mm512_storeu_si512(out, _mm512_xor_si512(words, flip));
+            }
+        }
+    }
+    panels
 }
 
 /// `out[j]` = the four rows' bytes of column j, for 16 columns: byte
