@@ -151,6 +151,15 @@ fn the_files_of_every_folder_import_each_other_without_a_circle() {
     // The rollout's files are layered: candidate, gates, state, plan.
     let (_, rollout) = sibling_imports(&src().join("rollout"));
     assert!(rollout["plan"].contains("state") && rollout["state"].contains("gates"), "{rollout:?}");
+    // The integer ops' files too: numbers, layouts and what a convolution
+    // computes below the kernels, the kernels below the ops.
+    let (_, quant) = sibling_imports(&src().join("model/quant"));
+    let ops = ["conv", "depthwise", "dense", "add", "pool", "layout", "pattern", "choice", "tests"];
+    for below in ["cpu", "requant", "patches", "transpose", "spec", "igemm", "udot", "gemm", "planar"] {
+        let imports = &quant[below];
+        assert!(imports.iter().all(|d| !ops.contains(&d.as_str())), "{below} imports an op: {imports:?}");
+    }
+    assert!(quant["planar"].contains("spec") && quant["conv"].contains("udot"), "{quant:?}");
 }
 
 #[test]

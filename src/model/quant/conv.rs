@@ -9,31 +9,15 @@
 use super::choice::Kernel;
 use super::gemm::Weights;
 use super::igemm;
-use super::patches::{Geometry, Layout, PatchLayout, flip_padded, im2col, pack_panels, widen_padded};
-use super::requant::{self, Activation, QParam, multipliers, output_range, per, requantize_row};
+use super::patches::{Layout, PatchLayout, flip_padded, im2col, pack_panels, widen_padded};
+use super::requant::{multipliers, output_range, per, requantize_row};
 #[cfg(target_arch = "x86_64")]
 use super::requant::{requantize_tile_avx2, requantize_tile_avx512};
+use super::spec::{ConvSpec, conv_output_facts, eval_conv};
 use super::udot;
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
-
-/// What the op computes, before any packing: the part tests build directly.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ConvSpec {
-    pub geometry: Geometry,
-    pub input: QParam,
-    pub output: QParam,
-    /// `[out_channels, in_channels * kh * kw]`, in the i8 domain.
-    pub weights: Vec<i8>,
-    /// Per output channel (one value broadcasts), in the i8 domain.
-    pub weight_zero: Vec<i32>,
-    /// Per output channel (one value broadcasts).
-    pub weight_scale: Vec<f32>,
-    /// In accumulator units (input scale x weight scale), per channel.
-    pub bias: Vec<i32>,
-    pub activation: Activation,
-}
 
 /// Where the products run: our kernels (`igemm`) or tract-linalg's, as
 /// timing both on the layer decided (`choice.rs`); tract-linalg's on hosts
@@ -383,39 +367,4 @@ impl TypedOp for QConv {
     }
 
     as_op!();
-}
-
-/// Runs a convolution op's `run_into` on its one input, in the i8 domain,
-/// into an output of the output's type laid out as `output_layout`.
-pub(super) fn eval_conv(
-    spec: &ConvSpec,
-    inputs: &[TValue],
-    output_layout: Layout,
-    run_into: impl FnOnce(&[i8], usize, &mut [i8]) -> TractResult<()>,
-) -> TractResult<TVec<TValue>> {
-    let input = &inputs[0];
-    let images = input.shape()[0];
-    let x = spec.input.qtype.to_i8(requant::bytes_of(input)?);
-    let g = spec.geometry;
-    let [oh, ow] = g.output_hw()?;
-    let shape = output_layout.shape([images, g.out_channels, oh, ow]);
-    let y = requant::tensor_with(spec.output.qtype, &shape, |y| run_into(&x, images, y))?;
-    Ok(tvec!(y.into_tvalue()))
-}
-
-/// The output's fact, `[N, out_channels, oh, ow]` in the output layout, for
-/// an input of the spec's `[N, in_channels, height, width]` in the input's.
-pub(super) fn conv_output_facts(
-    spec: &ConvSpec,
-    inputs: &[&TypedFact],
-    [input_layout, output_layout]: [Layout; 2],
-) -> TractResult<TVec<TypedFact>> {
-    let g = spec.geometry;
-    let shape = &inputs[0].shape;
-    let want =
-        input_layout.shape([shape[0].clone(), g.in_channels.to_dim(), g.height.to_dim(), g.width.to_dim()]);
-    anyhow::ensure!(shape.rank() == 4 && shape.iter().eq(want.iter()), "expects {want:?}, got {shape:?}");
-    let [oh, ow] = g.output_hw()?;
-    let dims = output_layout.shape([shape[0].clone(), g.out_channels.to_dim(), oh.to_dim(), ow.to_dim()]);
-    Ok(tvec!(spec.output.qtype.datum_type().fact(dims)))
 }

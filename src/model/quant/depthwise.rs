@@ -19,10 +19,10 @@
 //! bit-exact against the same scalar reference.
 
 use super::choice;
-use super::conv::ConvSpec;
 use super::patches::Layout;
 use super::planar;
 use super::requant::{output_range, per, requantize_one};
+use super::spec::{ConvSpec, conv_output_facts, eval_conv};
 use super::transpose;
 use std::sync::Arc;
 use tract_onnx::prelude::*;
@@ -649,15 +649,13 @@ impl EvalOp for QDepthwise {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        super::conv::eval_conv(&self.spec, &inputs, self.output_layout, |x, images, y| {
-            self.run_into(x, images, y)
-        })
+        eval_conv(&self.spec, &inputs, self.output_layout, |x, images, y| self.run_into(x, images, y))
     }
 }
 
 impl TypedOp for QDepthwise {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        super::conv::conv_output_facts(&self.spec, inputs, [Layout::ChannelsFirst, self.output_layout])
+        conv_output_facts(&self.spec, inputs, [Layout::ChannelsFirst, self.output_layout])
     }
 
     as_op!();

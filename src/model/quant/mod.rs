@@ -23,6 +23,7 @@ mod pattern;
 mod planar;
 pub mod pool;
 pub mod requant;
+pub mod spec;
 mod transpose;
 mod udot;
 
@@ -262,7 +263,7 @@ fn sample(len: usize) -> Vec<i8> {
 
 /// A convolution's spec with the height and width of its input, which the
 /// typed model knows and the ONNX attributes do not.
-fn sized(spec: &conv::ConvSpec, input: &TypedFact) -> TractResult<conv::ConvSpec> {
+fn sized(spec: &spec::ConvSpec, input: &TypedFact) -> TractResult<spec::ConvSpec> {
     let mut spec = spec.clone();
     let shape = &input.shape;
     anyhow::ensure!(shape.rank() == 4, "conv input of rank {}", shape.rank());

@@ -7,11 +7,11 @@
 //! then finds the same tensors in tract's typed model by those names.
 
 use super::add::QAdd;
-use super::conv::ConvSpec;
 use super::dense::{DenseSpec, FloatTail};
 use super::patches::Geometry;
 use super::pool::{QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, round_half_even};
+use super::spec::ConvSpec;
 use std::collections::HashMap;
 use tract_onnx::data_resolver::ModelDataResolver;
 use tract_onnx::pb::{GraphProto, NodeProto};

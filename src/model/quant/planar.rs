@@ -15,9 +15,9 @@
 // Built everywhere, run only where `Filters::fits` (x86-64 with AVX2).
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
-use super::conv::ConvSpec;
 use super::patches::widen_padded;
 use super::requant::{output_range, per, requantize_row};
+use super::spec::ConvSpec;
 
 /// Output pixels one step computes: 16 i16 lanes, one AVX2 register.
 const STEP: usize = 16;

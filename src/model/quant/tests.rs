@@ -4,12 +4,13 @@
 //! dilations, zero points and per-channel scales.
 
 use super::add::QAdd;
-use super::conv::{ConvSpec, QConv};
+use super::conv::QConv;
 use super::dense::{DenseSpec, QDense};
 use super::depthwise::QDepthwise;
 use super::patches::Geometry;
 use super::pool::{QAvgPool, QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, output_range};
+use super::spec::ConvSpec;
 use proptest::prelude::*;
 
 /// Quantizes an exact accumulator with the per-channel multiplier, as
