@@ -254,14 +254,30 @@ pub enum TileKernel {
     /// Two ymm per row of the tile (AVX-VNNI, no AVX-512 needed).
     #[cfg(target_arch = "x86_64")]
     AvxVnni,
+    /// Armv8.2 `sdot` (signed x signed), four columns a register: the
+    /// bytes flipped back to i8, each row started at `128 * sum(w)`.
+    #[cfg(target_arch = "aarch64")]
+    NeonDot,
+    /// Armv8.6 I8MM `usdot`: u8 x s8 as the x86 tiles compute it.
+    #[cfg(target_arch = "aarch64")]
+    NeonI8mm,
 }
 
 impl TileKernel {
     /// The byte dot-product kernels this host can run, fastest first;
     /// empty where it has none (the op then uses the i16 tile).
     pub fn available() -> Vec<TileKernel> {
-        #[allow(unused_mut)] // pushed to only on x86-64
+        #[allow(unused_mut)] // pushed to only on x86-64 and arm64
         let mut kernels = Vec::new();
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("i8mm") {
+                kernels.push(TileKernel::NeonI8mm);
+            }
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                kernels.push(TileKernel::NeonDot);
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         {
             if super::cpu::avx512().is_some_and(|a| a.vnni) {
@@ -287,6 +303,10 @@ impl TileKernel {
             TileKernel::Avx512Vnni => "edgeinfer avx512 vnni u8xs8",
             #[cfg(target_arch = "x86_64")]
             TileKernel::AvxVnni => "edgeinfer avx-vnni u8xs8",
+            #[cfg(target_arch = "aarch64")]
+            TileKernel::NeonDot => "edgeinfer neon sdot u8xs8",
+            #[cfg(target_arch = "aarch64")]
+            TileKernel::NeonI8mm => "edgeinfer neon i8mm usdot u8xs8",
         }
     }
 }
@@ -317,9 +337,110 @@ pub fn product_on(
                 },
                 #[cfg(target_arch = "x86_64")]
                 TileKernel::AvxVnni => unsafe { avx_vnni_tile(a, b, k4, &mut tile) },
+                #[cfg(target_arch = "aarch64")]
+                TileKernel::NeonDot => unsafe {
+                    // `sdot` sums (u - 128) * w: each row starts 128 * sum(w) up.
+                    let start =
+                        std::array::from_fn(|i| 128 * weights.row_sums.get(rp * MR + i).unwrap_or(&0));
+                    neon::sdot_tile(a, b, k4, start, &mut tile)
+                },
+                #[cfg(target_arch = "aarch64")]
+                TileKernel::NeonI8mm => unsafe { neon::usdot_tile(a, b, k4, &mut tile) },
                 TileKernel::Portable => portable_tile(a, b, k4, &mut tile),
             }
             emit(rp * MR, cp * NR, &tile);
+        }
+    }
+}
+
+/// The arm64 tiles: one 128-bit register holds four columns' sums of one
+/// row, so the `MR x NR` tile is 16 accumulators; per quad of k, one load
+/// of the four rows' weights (a lane each) and four of the 16 columns'
+/// bytes, then 16 dot products by element. The instructions are written
+/// in `asm!`: their intrinsics are not stable Rust.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{MR, NR};
+    use std::arch::aarch64::*;
+
+    /// `acc += dot(b, a[LANE])` per 32-bit lane, with `$op` (`sdot` or
+    /// `usdot`, whose `b` is unsigned).
+    macro_rules! dot_by_element {
+        ($op:literal, $acc:expr, $b:expr, $a:expr, $lane:literal) => {
+            std::arch::asm!(
+                concat!($op, " {acc:v}.4s, {b:v}.16b, {a:v}.4b[", $lane, "]"),
+                acc = inout(vreg) $acc,
+                b = in(vreg) $b,
+                a = in(vreg) $a,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+    }
+
+    /// The tile of `(u - 128) * w` plus `start[i]` per row: `sdot` is
+    /// signed x signed, so the columns' bytes (`u = x + 128`) go back to
+    /// `x` with their top bit flipped.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn sdot_tile(
+        a: &[u32],
+        b: &[u32],
+        k4: usize,
+        start: [i32; MR],
+        tile: &mut [i32; MR * NR],
+    ) {
+        assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
+        let flip = vdupq_n_u8(0x80);
+        let mut acc: [[int32x4_t; 4]; MR] = [[vdupq_n_s32(0); 4]; MR];
+        for (row, &s) in acc.iter_mut().zip(&start) {
+            *row = [vdupq_n_s32(s); 4];
+        }
+        for q in 0..k4 {
+            // SAFETY: quad q of both panels, inside the slices (asserted);
+            // the host has the dot product (the target feature).
+            unsafe {
+                let w = vreinterpretq_s8_u32(vld1q_u32(a.as_ptr().add(q * MR)));
+                let cols = b.as_ptr().add(q * NR) as *const u8;
+                for g in 0..4 {
+                    let x = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(cols.add(16 * g)), flip));
+                    dot_by_element!("sdot", acc[0][g], x, w, "0");
+                    dot_by_element!("sdot", acc[1][g], x, w, "1");
+                    dot_by_element!("sdot", acc[2][g], x, w, "2");
+                    dot_by_element!("sdot", acc[3][g], x, w, "3");
+                }
+            }
+        }
+        store(&acc, tile);
+    }
+
+    /// The tile of `u * w` with `usdot` (unsigned columns, signed weights).
+    #[target_feature(enable = "neon,i8mm")]
+    pub(super) unsafe fn usdot_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+        assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
+        let mut acc: [[int32x4_t; 4]; MR] = [[vdupq_n_s32(0); 4]; MR];
+        for q in 0..k4 {
+            // SAFETY: as in `sdot_tile`, the host having I8MM.
+            unsafe {
+                let w = vreinterpretq_s8_u32(vld1q_u32(a.as_ptr().add(q * MR)));
+                let cols = b.as_ptr().add(q * NR) as *const u8;
+                for g in 0..4 {
+                    let u = vld1q_u8(cols.add(16 * g));
+                    dot_by_element!("usdot", acc[0][g], u, w, "0");
+                    dot_by_element!("usdot", acc[1][g], u, w, "1");
+                    dot_by_element!("usdot", acc[2][g], u, w, "2");
+                    dot_by_element!("usdot", acc[3][g], u, w, "3");
+                }
+            }
+        }
+        store(&acc, tile);
+    }
+
+    /// Row `i`'s four registers to `tile[i * NR..]`, columns in order.
+    fn store(acc: &[[int32x4_t; 4]; MR], tile: &mut [i32; MR * NR]) {
+        for (row, out) in acc.iter().zip(tile.chunks_exact_mut(NR)) {
+            for (g, &v) in row.iter().enumerate() {
+                // SAFETY: four i32 into the row's 16.
+                unsafe { vst1q_s32(out.as_mut_ptr().add(4 * g), v) };
+            }
         }
     }
 }
