@@ -478,6 +478,9 @@ fn parse_onnx(
         if rewritten.total() > 0 {
             applied.push(super::passes::Applied { pass: "int8-ops", nodes: rewritten.total() });
         }
+        if rewritten.float_depthwise > 0 {
+            applied.push(super::passes::Applied { pass: "f32-depthwise", nodes: rewritten.float_depthwise });
+        }
         if rewritten.channels_last > 0 {
             applied
                 .push(super::passes::Applied { pass: "int8-channels-last", nodes: rewritten.channels_last });

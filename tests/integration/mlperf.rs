@@ -101,6 +101,19 @@ fn the_integer_rewrite_covers_every_conv_depthwise_included() {
     }
 }
 
+/// The float twins' depthwise layers run on `FDepthwise` (tract's own f32
+/// depthwise op was 59% of kws_f32), and the agreement test above holds
+/// them within 1e-3 of onnxruntime.
+#[test]
+fn float_depthwise_layers_run_on_our_op() {
+    let Some(dir) = tiny::dir_or_skip() else { return };
+    for (key, depthwise) in [("kws", 4), ("vww", 13), ("ic", 0)] {
+        let case = tiny::load(&dir, key, "f32", vec![1]);
+        let replaced = case.model.passes.iter().find(|p| p.pass == "f32-depthwise").map_or(0, |p| p.nodes);
+        assert_eq!(replaced, depthwise, "{key}: {:?}", case.model.passes);
+    }
+}
+
 /// The three conv nets served by the real binary over HTTP: `INT8` in,
 /// `INT8` out, within 8 LSB of onnxruntime, argmax as LiteRT's; none of
 /// them draws the load warning for float kernels.

@@ -15,6 +15,7 @@ pub mod conv;
 mod cpu;
 pub mod dense;
 pub mod depthwise;
+pub mod float_depthwise;
 mod gemm;
 mod igemm;
 pub mod layout;
@@ -43,6 +44,8 @@ pub struct Rewritten {
     pub dense: usize,
     pub add: usize,
     pub pool: usize,
+    /// Float depthwise layers (counted apart: not integer ops).
+    pub float_depthwise: usize,
     /// Depthwise layers handing their output to the pointwise layers
     /// after them channels-last (counted apart: no op replaced).
     pub channels_last: usize,
@@ -56,14 +59,14 @@ impl Rewritten {
 
 /// Which kinds of op the rewrite may use: all by default; the variable
 /// `EDGEINFER_INT8_OPS` (`off`, or a list of `conv`, `depthwise`, `dense`,
-/// `add`, `pool`)
-/// narrows it, to measure or to bisect a numeric difference.
+/// `add`, `pool`, and `depthwise-f32` for the one float op) narrows it, to
+/// measure or to bisect a numeric difference.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Kinds(Vec<String>);
 
 impl Kinds {
     pub fn all() -> Kinds {
-        Kinds(["conv", "depthwise", "dense", "add", "pool"].map(String::from).to_vec())
+        Kinds(["conv", "depthwise", "dense", "add", "pool", "depthwise-f32"].map(String::from).to_vec())
     }
 
     pub fn from_env() -> Kinds {
@@ -81,6 +84,7 @@ impl Kinds {
             Fusion::Dense(_) => "dense",
             Fusion::Add(_) => "add",
             Fusion::Pool(..) => "pool",
+            Fusion::FloatDepthwise(_) => "depthwise-f32",
         };
         self.0.iter().any(|k| k == kind)
     }
@@ -109,8 +113,10 @@ pub fn rewrite(
             Fusion::Dense(_) => &mut done.dense,
             Fusion::Add(_) => &mut done.add,
             Fusion::Pool(..) => &mut done.pool,
+            Fusion::FloatDepthwise(_) => &mut done.float_depthwise,
         };
-        let name = format!("{}.int8", found.node);
+        let precision = if matches!(found.fusion, Fusion::FloatDepthwise(_)) { "f32" } else { "int8" };
+        let name = format!("{}.{precision}", found.node);
         match replace(model, &found, &inputs, target, &name, chooser) {
             Ok(Some(new)) => {
                 model.outlet_labels.remove(&target);
@@ -228,6 +234,18 @@ fn replace(
                 "add operand types"
             );
             Box::new(op.clone())
+        }
+        Fusion::FloatDepthwise(spec) => {
+            let shape = &facts[0].shape;
+            anyhow::ensure!(
+                shape.rank() == 4 && facts[0].datum_type == f32::datum_type(),
+                "float depthwise input {:?} {shape:?}",
+                facts[0].datum_type
+            );
+            let mut spec = spec.clone();
+            spec.geometry.height = shape[2].to_usize()?;
+            spec.geometry.width = shape[3].to_usize()?;
+            Box::new(float_depthwise::FDepthwise::new(spec)?)
         }
         Fusion::Pool(op, window) => {
             let shape = &facts[0].shape;

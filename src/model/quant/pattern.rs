@@ -8,6 +8,7 @@
 
 use super::add::QAdd;
 use super::dense::{DenseSpec, FloatTail};
+use super::float_depthwise::FloatDepthwiseSpec;
 use super::patches::Geometry;
 use super::pool::{QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, round_half_even};
@@ -37,6 +38,9 @@ pub enum Fusion {
     /// The window (none for GlobalAveragePool): one that covers the whole
     /// image unpadded makes a `QGlobalAvgPool`, any other a `QAvgPool`.
     Pool(QGlobalAvgPool, Option<Window>),
+    /// A float Conv with one filter per channel (and the Relu or Clip
+    /// after it): `FDepthwise`.
+    FloatDepthwise(FloatDepthwiseSpec),
 }
 
 /// A DequantizeLinear and what it reads.
@@ -61,7 +65,7 @@ pub fn find(graph: &GraphProto, resolver: &dyn ModelDataResolver) -> Vec<Found> 
         .iter()
         .filter_map(|node| {
             let found = match node.op_type.as_str() {
-                "Conv" => g.conv(node),
+                "Conv" => g.conv(node).or_else(|| g.float_depthwise(node)),
                 "QLinearConv" => g.qlinear_conv(node),
                 "MatMul" | "Gemm" => g.dense(node),
                 "QLinearMatMul" => g.qlinear_matmul(node),
@@ -200,6 +204,54 @@ impl<'g> Graph<'g> {
             activation,
         };
         Some((vec![x], q, conv_fusion(node, spec)?))
+    }
+
+    /// Conv(x, W[, B]) on f32 constants with group = channels, then at most
+    /// one Relu or Clip with constant bounds, which become the op's clamp.
+    fn float_depthwise(&self, node: &'g NodeProto) -> Option<Match> {
+        let x = node.input.first()?;
+        let weights = self.constant(node.input.get(1)?)?;
+        if weights.datum_type() != f32::datum_type()
+            || self.constant(x).is_some()
+            || self.producer.get(x.as_str()).is_some_and(|p| p.op_type == "DequantizeLinear")
+        {
+            return None;
+        }
+        let mut geometry = geometry(node, weights.shape())?;
+        let group = node.get_attr_opt::<i64>("group").ok().flatten().unwrap_or(1);
+        let channels = geometry.out_channels;
+        if geometry.in_channels != 1 || group != channels as i64 || channels < 2 {
+            return None;
+        }
+        geometry.in_channels = channels;
+        let floats = |t: &Tensor| Some(t.try_as_plain_ram().ok()?.as_slice::<f32>().ok()?.to_vec());
+        let bias = match node.input.get(2).filter(|b| !b.is_empty()) {
+            Some(b) => floats(self.constant(b)?).filter(|b| b.len() == channels)?,
+            None => vec![0.0; channels],
+        };
+        let conv_out = node.output.first()?;
+        let bound = |clip: &NodeProto, i: usize| -> Option<Option<f32>> {
+            match clip.input.get(i).filter(|n| !n.is_empty()) {
+                None => Some(None),
+                Some(n) => Some(Some(self.constant(n)?.cast_to_scalar::<f32>().ok()?)),
+            }
+        };
+        let (lo, hi, output) = match self.only_consumer(conv_out) {
+            Some(next) if next.op_type == "Relu" => (0.0, f32::INFINITY, next.output.first()?.clone()),
+            Some(next) if next.op_type == "Clip" && next.attribute.is_empty() => {
+                match (bound(next, 1), bound(next, 2)) {
+                    (Some(lo), Some(hi)) => (
+                        lo.unwrap_or(f32::NEG_INFINITY),
+                        hi.unwrap_or(f32::INFINITY),
+                        next.output.first()?.clone(),
+                    ),
+                    _ => (f32::NEG_INFINITY, f32::INFINITY, conv_out.clone()),
+                }
+            }
+            _ => (f32::NEG_INFINITY, f32::INFINITY, conv_out.clone()),
+        };
+        let spec = FloatDepthwiseSpec { geometry, weights: floats(weights)?, bias, lo, hi };
+        Some((vec![x.clone()], output, Fusion::FloatDepthwise(spec)))
     }
 
     fn qlinear_conv(&self, node: &'g NodeProto) -> Option<Match> {

@@ -7,6 +7,7 @@ use super::add::QAdd;
 use super::conv::QConv;
 use super::dense::{DenseSpec, QDense};
 use super::depthwise::QDepthwise;
+use super::float_depthwise::{FDepthwise, FloatDepthwiseSpec};
 use super::patches::Geometry;
 use super::pool::{QAvgPool, QGlobalAvgPool, Window};
 use super::requant::{Activation, QParam, QType, output_range};
@@ -260,6 +261,54 @@ proptest! {
             prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "{:?} channels-first", tile);
             let op = op.taking_channels_last().expect("a pointwise layer on the byte tile reads channels-last");
             prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want, "{:?} channels-last, {:?}", tile, spec.geometry);
+        }
+    }
+
+    /// The float depthwise op against the definition summed in f64: within
+    /// f32 rounding (the sums' order differs), and every kernel here gives
+    /// the portable one's bits (the same fused multiply-adds in order).
+    #[test]
+    fn fdepthwise_matches_the_definition(
+        g in depthwise_geometry(), images in 1usize..3, relu in 0usize..3, seed in any::<u64>(),
+    ) {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let (c, taps) = (g.in_channels, g.kernel[0] * g.kernel[1]);
+        let weights: Vec<f32> = (0..c * taps).map(|_| rng.f32() * 2.0 - 1.0).collect();
+        let bias: Vec<f32> = (0..c).map(|_| rng.f32() - 0.5).collect();
+        let x: Vec<f32> = (0..images * c * g.height * g.width).map(|_| rng.f32() * 4.0 - 2.0).collect();
+        let (lo, hi) = [(f32::NEG_INFINITY, f32::INFINITY), (0.0, f32::INFINITY), (0.0, 6.0)][relu];
+        let spec = FloatDepthwiseSpec { geometry: g, weights: weights.clone(), bias: bias.clone(), lo, hi };
+        let [oh, ow] = g.output_hw().unwrap();
+        let mut want = Vec::new();
+        for n in 0..images {
+            for ch in 0..c {
+                for oy in 0..oh {
+                    for ox in 0..ow {
+                        let mut acc = bias[ch] as f64;
+                        for ky in 0..g.kernel[0] {
+                            for kx in 0..g.kernel[1] {
+                                let iy = (oy * g.strides[0] + ky * g.dilations[0]) as i64 - g.pads[0] as i64;
+                                let ix = (ox * g.strides[1] + kx * g.dilations[1]) as i64 - g.pads[1] as i64;
+                                if iy >= 0 && ix >= 0 && (iy as usize) < g.height && (ix as usize) < g.width {
+                                    let v = x[((n * c + ch) * g.height + iy as usize) * g.width + ix as usize];
+                                    acc += v as f64 * weights[ch * taps + ky * g.kernel[1] + kx] as f64;
+                                }
+                            }
+                        }
+                        want.push(acc.max(lo as f64).min(hi as f64));
+                    }
+                }
+            }
+        }
+        let ops = FDepthwise::every_kernel(spec).unwrap();
+        let reference = ops.last().unwrap().run(&x, images).unwrap();
+        for op in &ops {
+            let got = op.run(&x, images).unwrap();
+            prop_assert_eq!(&got, &reference, "{} against the portable kernel, {:?}", op.kernel_name(), g);
+        }
+        for (i, (&got, &want)) in reference.iter().zip(&want).enumerate() {
+            let tolerance = 1e-5 * (1.0 + taps as f64 * 2.0);
+            prop_assert!((got as f64 - want).abs() <= tolerance, "{i}: {got} against {want}, {g:?}");
         }
     }
 
