@@ -481,9 +481,15 @@ fn parse_onnx(
         if rewritten.float_depthwise > 0 {
             applied.push(super::passes::Applied { pass: "f32-depthwise", nodes: rewritten.float_depthwise });
         }
-        if rewritten.channels_last > 0 {
-            applied
-                .push(super::passes::Applied { pass: "int8-channels-last", nodes: rewritten.channels_last });
+        let [after_depthwise, after_pointwise] = rewritten.channels_last;
+        if after_depthwise > 0 {
+            applied.push(super::passes::Applied { pass: "int8-channels-last", nodes: after_depthwise });
+        }
+        if after_pointwise > 0 {
+            applied.push(super::passes::Applied {
+                pass: "int8-channels-last-pointwise",
+                nodes: after_pointwise,
+            });
         }
     }
     let mut typed = typed.into_decluttered()?;

@@ -91,7 +91,11 @@ fn the_integer_rewrite_covers_every_conv_depthwise_included() {
         // faster), each depthwise layer not on the planar kernel hands its
         // output channels-last to the pointwise layer after it.
         let choices = &case.model.kernel_choices;
-        let handed = case.model.passes.iter().find(|p| p.pass == "int8-channels-last").map_or(0, |p| p.nodes);
+        let pass = |name: &str| case.model.passes.iter().find(|p| p.pass == name).map_or(0, |p| p.nodes);
+        let handed = pass("int8-channels-last");
+        // Back from the pointwise layers (where the host has the
+        // channels-in-lanes tile): only those that read channels-last.
+        assert!(pass("int8-channels-last-pointwise") <= handed, "{key}: {:?}", case.model.passes);
         let planar = choices.iter().filter(|c| c.name.contains("planar")).count();
         let on_bytes = choices.iter().filter(|c| c.name.contains("u8xs8")).count();
         match on_bytes == pointwise {

@@ -10,7 +10,7 @@ use super::choice::Kernel;
 use super::gemm::Weights;
 use super::igemm;
 use super::patches::{Layout, PatchLayout, flip_padded, im2col, pack_panels, widen_padded};
-use super::requant::{multipliers, output_range, per, requantize_row};
+use super::requant::{multipliers, output_range, per, requantize_lanes, requantize_row};
 #[cfg(target_arch = "x86_64")]
 use super::requant::{requantize_tile_avx2, requantize_tile_avx512};
 use super::spec::{ConvSpec, conv_output_facts, eval_conv};
@@ -44,6 +44,11 @@ pub struct QConv {
     /// How the input sits in memory: channels-first, or channels-last from
     /// a depthwise layer before it (`taking_channels_last`).
     input_layout: Layout,
+    /// How the output sits in memory: channels-first, or channels-last for
+    /// the depthwise layers after it (`giving_channels_last`), computed by
+    /// the channels-in-lanes tile with these weights.
+    output_layout: Layout,
+    pixel_weights: Option<Arc<udot::ChannelWeights>>,
 }
 
 impl PartialEq for QConv {
@@ -119,6 +124,8 @@ impl QConv {
             multipliers: Arc::new(multipliers),
             any_weight_zero,
             input_layout: Layout::ChannelsFirst,
+            output_layout: Layout::ChannelsFirst,
+            pixel_weights: None,
         })
     }
 
@@ -139,6 +146,31 @@ impl QConv {
             .then(|| QConv { input_layout: Layout::ChannelsLast, ..self.clone() })
     }
 
+    /// This op, already reading channels-last, also writing channels-last,
+    /// where the host has the channels-in-lanes tile (AVX-512 VNNI): each
+    /// tile row is one pixel's 16 output channels, stored as they are.
+    pub fn giving_channels_last(&self) -> Option<QConv> {
+        if self.input_layout != Layout::ChannelsLast || !udot::pixel_rows_fast() {
+            return None;
+        }
+        let g = self.spec.geometry;
+        let lanes = g.out_channels.div_ceil(udot::LANES) * udot::LANES;
+        let (mut offsets, mut multipliers) = ((*self.offsets).clone(), (*self.multipliers).clone());
+        offsets.resize(lanes, 0);
+        multipliers.resize(lanes, 0.0);
+        Some(QConv {
+            output_layout: Layout::ChannelsLast,
+            pixel_weights: Some(Arc::new(udot::ChannelWeights::pack(
+                &self.spec.weights,
+                g.out_channels,
+                g.patch_len(),
+            ))),
+            offsets: Arc::new(offsets),
+            multipliers: Arc::new(multipliers),
+            ..self.clone()
+        })
+    }
+
     /// Convolves `images` NCHW images held as i8-domain values.
     pub fn run(&self, x: &[i8], images: usize) -> TractResult<Vec<i8>> {
         let mut out = vec![0i8; images * self.spec.geometry.output_len()?];
@@ -156,6 +188,9 @@ impl QConv {
         anyhow::ensure!(x.len() == images * image_len, "QConv: input of {} values", x.len());
         let n = oh * ow;
         anyhow::ensure!(out.len() == images * g.out_channels * n, "QConv: output of {} values", out.len());
+        if let Some(weights) = &self.pixel_weights {
+            return self.run_pixel_rows(weights, x, images, out);
+        }
         match &self.backend {
             Backend::Bytes(weights, layout, kernel) => {
                 let (mut patches, mut plane) = (udot::Patches::default(), Vec::new());
@@ -187,6 +222,35 @@ impl QConv {
                     self.run_tract(weights, image, y)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// `run_into` for a channels-last input and output (pointwise): the
+    /// image's bytes flipped to u8 once, then `udot::pixel_rows`, each tile
+    /// row requantized into its pixel's channels.
+    fn run_pixel_rows(
+        &self,
+        weights: &udot::ChannelWeights,
+        x: &[i8],
+        images: usize,
+        out: &mut [i8],
+    ) -> TractResult<()> {
+        let g = self.spec.geometry;
+        let (n, k, co) = (g.height * g.width, g.in_channels, g.out_channels);
+        let (lo, hi) = output_range(&self.spec.output, self.spec.activation);
+        let zy = self.spec.output.zero_i8();
+        let mut flipped: Vec<u8> = Vec::with_capacity(n * k + 4);
+        for (image, y) in x.chunks(n * k).zip(out.chunks_mut(n * co)).take(images) {
+            flipped.clear();
+            flipped.extend(image.iter().map(|&v| v as u8 ^ 0x80));
+            // The last pixel's last quad may read past its k bytes.
+            flipped.extend([0u8; 4]);
+            udot::pixel_rows(weights, &flipped, k, n, |p0, c0, tile| {
+                let (rows, width) = (udot::PIXELS.min(n - p0), udot::LANES.min(co - c0));
+                let (biases, scales) = (&self.offsets[c0..], &self.multipliers[c0..]);
+                requantize_lanes(tile, rows, width, biases, scales, [zy, lo, hi], &mut y[p0 * co + c0..], co);
+            });
         }
         Ok(())
     }
@@ -346,7 +410,8 @@ impl Op for QConv {
                 g.pads,
                 self.spec.activation,
                 self.kernel_name()
-            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" },
+            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" }
+                + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
         ])
     }
 
@@ -357,13 +422,13 @@ impl EvalOp for QConv {
     op_out_of_plan!();
 
     fn eval(&self, _ctx: &EvalContext, inputs: TVec<TValue>) -> TractResult<TVec<TValue>> {
-        eval_conv(&self.spec, &inputs, Layout::ChannelsFirst, |x, images, y| self.run_into(x, images, y))
+        eval_conv(&self.spec, &inputs, self.output_layout, |x, images, y| self.run_into(x, images, y))
     }
 }
 
 impl TypedOp for QConv {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        conv_output_facts(&self.spec, inputs, [self.input_layout, Layout::ChannelsFirst])
+        conv_output_facts(&self.spec, inputs, [self.input_layout, self.output_layout])
     }
 
     as_op!();

@@ -16,13 +16,18 @@ pub fn avx2() -> bool {
 
 /// Whether this host has AVX-512 F and BW (and whether VNNI too), unless
 /// `EDGEINFER_AVX512=off` asks for the AVX2 kernels (to compare, or on a
-/// host that down-clocks under 512-bit work).
+/// host that down-clocks under 512-bit work). Found once per process: the
+/// kernels ask per image and per tile, and reading the environment costs
+/// more than a small tile.
 #[cfg(target_arch = "x86_64")]
 pub fn avx512() -> Option<Avx512> {
-    let usable = std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
-    usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
+    static FOUND: std::sync::OnceLock<Option<Avx512>> = std::sync::OnceLock::new();
+    *FOUND.get_or_init(|| {
+        let usable = std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
+        usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
+    })
 }
 
 #[cfg(target_arch = "x86_64")]

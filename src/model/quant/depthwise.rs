@@ -166,6 +166,9 @@ pub struct QDepthwise {
     /// How the output sits in memory: channels-first, or channels-last for
     /// the pointwise convolutions after it (`giving_channels_last`).
     output_layout: Layout,
+    /// How the input sits in memory: channels-first, or channels-last from
+    /// the pointwise convolution before it (`taking_channels_last`).
+    input_layout: Layout,
 }
 
 impl PartialEq for QDepthwise {
@@ -363,6 +366,7 @@ impl QDepthwise {
             kernel,
             planar,
             output_layout: Layout::ChannelsFirst,
+            input_layout: Layout::ChannelsFirst,
         })
     }
 
@@ -371,6 +375,12 @@ impl QDepthwise {
     /// channels-first.
     pub fn giving_channels_last(&self) -> Option<QDepthwise> {
         self.planar.is_none().then(|| QDepthwise { output_layout: Layout::ChannelsLast, ..self.clone() })
+    }
+
+    /// This op reading its input channels-last: its plane is then widened
+    /// pixel by pixel, no transpose (not on the planar kernel).
+    pub fn taking_channels_last(&self) -> Option<QDepthwise> {
+        self.planar.is_none().then(|| QDepthwise { input_layout: Layout::ChannelsLast, ..self.clone() })
     }
 
     /// Convolves `images` NCHW images held as i8-domain values.
@@ -435,6 +445,15 @@ impl QDepthwise {
         plane.clear();
         plane.resize(hp * wp * self.packed.channels, 0);
         let zero = self.spec.input.zero_i8();
+        if self.input_layout == Layout::ChannelsLast {
+            let c = g.in_channels;
+            for (pixel, &at) in x.chunks_exact(c).zip(self.packed.pixel_offsets.iter()) {
+                for (d, &v) in plane[at..at + c].iter_mut().zip(pixel) {
+                    *d = (v as i32 - zero) as i16;
+                }
+            }
+            return;
+        }
         transpose::widen_to_channels_last(x, g.in_channels, &self.packed.pixel_offsets, zero, plane);
     }
 
@@ -638,7 +657,8 @@ impl Op for QDepthwise {
                 g.pads,
                 self.spec.activation,
                 self.kernel_name()
-            ) + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
+            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" }
+                + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
         ])
     }
 
@@ -655,7 +675,7 @@ impl EvalOp for QDepthwise {
 
 impl TypedOp for QDepthwise {
     fn output_facts(&self, inputs: &[&TypedFact]) -> TractResult<TVec<TypedFact>> {
-        conv_output_facts(&self.spec, inputs, [Layout::ChannelsFirst, self.output_layout])
+        conv_output_facts(&self.spec, inputs, [self.input_layout, self.output_layout])
     }
 
     as_op!();

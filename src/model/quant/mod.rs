@@ -46,9 +46,9 @@ pub struct Rewritten {
     pub pool: usize,
     /// Float depthwise layers (counted apart: not integer ops).
     pub float_depthwise: usize,
-    /// Depthwise layers handing their output to the pointwise layers
-    /// after them channels-last (counted apart: no op replaced).
-    pub channels_last: usize,
+    /// Outputs handed over channels-last (counted apart: no op replaced):
+    /// from depthwise to pointwise layers, and from pointwise to depthwise.
+    pub channels_last: [usize; 2],
 }
 
 impl Rewritten {
@@ -138,37 +138,57 @@ pub fn rewrite(
 /// channels again (kws: a fifth of the model's time). Where every consumer
 /// of a depthwise output is a pointwise convolution that can read it
 /// channels-last (`QConv::taking_channels_last`), the two are rewired to
-/// hand it over so; the tensor between them is then `[N, H, W, C]`.
-fn channels_last_handoffs(model: &mut TypedModel) -> TractResult<usize> {
+/// hand it over so; the tensor between them is then `[N, H, W, C]`. Then
+/// the other way: a pointwise convolution that reads channels-last and
+/// whose every consumer is a depthwise layer writes channels-last too,
+/// where the host has the channels-in-lanes tile, and the depthwise layer
+/// widens it without a transpose. Returns how many outputs were handed
+/// over each way.
+fn channels_last_handoffs(model: &mut TypedModel) -> TractResult<[usize; 2]> {
     let outputs = model.output_outlets()?.to_vec();
-    let mut handed = 0;
+    let mut handed = [0; 2];
     for id in 0..model.nodes().len() {
-        let outlet = OutletId::new(id, 0);
-        let Some(depthwise) = model.node(id).op_as::<depthwise::QDepthwise>() else { continue };
-        let consumers = model.outlet_successors(outlet);
-        if outputs.contains(&outlet) || consumers.is_empty() {
-            continue;
-        }
-        let Some(depthwise) = depthwise.giving_channels_last() else { continue };
-        let convs: Option<Vec<(usize, conv::QConv)>> = consumers
-            .iter()
-            .map(|inlet| {
-                let conv = model.node(inlet.node).op_as::<conv::QConv>()?.taking_channels_last()?;
-                Some((inlet.node, conv))
-            })
-            .collect();
-        let Some(convs) = convs else { continue };
-        let input = model.outlet_fact(model.node(id).inputs[0])?.clone();
-        let fact = depthwise.output_facts(&[&input])?.remove(0);
-        let node = model.node_mut(id);
-        node.op = Box::new(depthwise);
-        node.outputs[0].fact = fact;
-        for (conv_id, conv) in convs {
-            model.node_mut(conv_id).op = Box::new(conv);
-        }
-        handed += 1;
+        let (give, take) = (depthwise::QDepthwise::giving_channels_last, conv::QConv::taking_channels_last);
+        handed[0] += hand_over(model, &outputs, id, give, take)? as usize;
+    }
+    for id in 0..model.nodes().len() {
+        let (give, take) = (conv::QConv::giving_channels_last, depthwise::QDepthwise::taking_channels_last);
+        handed[1] += hand_over(model, &outputs, id, give, take)? as usize;
     }
     Ok(handed)
+}
+
+/// Node `id`'s op (a `P`) giving its output channels-last, and every op
+/// reading it (each a `C`) taking it so, when all of them can; the
+/// output's fact becomes the channels-last one. Whether it was done.
+fn hand_over<P: TypedOp + Clone, C: TypedOp + Clone>(
+    model: &mut TypedModel,
+    outputs: &[OutletId],
+    id: usize,
+    give: fn(&P) -> Option<P>,
+    take: fn(&C) -> Option<C>,
+) -> TractResult<bool> {
+    let outlet = OutletId::new(id, 0);
+    let Some(producer) = model.node(id).op_as::<P>() else { return Ok(false) };
+    let consumers = model.outlet_successors(outlet);
+    if outputs.contains(&outlet) || consumers.is_empty() {
+        return Ok(false);
+    }
+    let Some(producer) = give(producer) else { return Ok(false) };
+    let taking: Option<Vec<(usize, C)>> = consumers
+        .iter()
+        .map(|inlet| Some((inlet.node, take(model.node(inlet.node).op_as::<C>()?)?)))
+        .collect();
+    let Some(taking) = taking else { return Ok(false) };
+    let input = model.outlet_fact(model.node(id).inputs[0])?.clone();
+    let fact = producer.output_facts(&[&input])?.remove(0);
+    let node = model.node_mut(id);
+    node.op = Box::new(producer);
+    node.outputs[0].fact = fact;
+    for (consumer, op) in taking {
+        model.node_mut(consumer).op = Box::new(op);
+    }
+    Ok(true)
 }
 
 /// Wires the op for `found` from `inputs` in place of `target`; `None`

@@ -260,6 +260,77 @@ pub unsafe fn requantize_tile_avx512(
     }
 }
 
+/// A channels-in-lanes tile (`udot::pixel_rows`) requantized: row `p` (of
+/// `rows`) is a pixel, lane `c` an output channel; its first `width` (at
+/// most 16) lanes go to `y[p * stride..][..width]`, each as
+/// `requantize_one(sums, biases[c], scales[c], ...)`. With AVX-512 the
+/// lanes' biases and scales stay in two registers for the whole tile.
+#[allow(clippy::too_many_arguments)]
+pub fn requantize_lanes(
+    tile: &[i32],
+    rows: usize,
+    width: usize,
+    biases: &[i32],
+    scales: &[f32],
+    [zero, lo, hi]: [i32; 3],
+    y: &mut [i8],
+    stride: usize,
+) {
+    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
+    assert!(width <= 16 && tile.len() >= rows * 16 && (rows == 0 || y.len() >= (rows - 1) * stride + width));
+    #[cfg(target_arch = "x86_64")]
+    if biases.len() >= 16 && scales.len() >= 16 && super::cpu::avx512().is_some() {
+        // SAFETY: AVX-512 F is present; 16 biases and scales are there,
+        // and the assert bounds the tile and y.
+        return unsafe {
+            requantize_lanes_avx512(tile, rows, width, biases, scales, zero, [lo_f, hi_f], y, stride)
+        };
+    }
+    for p in 0..rows {
+        for c in 0..width {
+            y[p * stride + c] = requantize_one(tile[p * 16 + c], biases[c], scales[c], zero, lo_f, hi_f);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn requantize_lanes_avx512(
+    tile: &[i32],
+    rows: usize,
+    width: usize,
+    biases: &[i32],
+    scales: &[f32],
+    zero: i32,
+    [lo_f, hi_f]: [f32; 2],
+    y: &mut [i8],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: 16 biases and scales, 16 sums a row, and y's rows (checked
+    // by the caller).
+    unsafe {
+        let vb = _mm512_loadu_si512(biases.as_ptr() as *const __m512i);
+        let vs = _mm512_loadu_ps(scales.as_ptr());
+        let (vlo, vhi, vz) = (_mm512_set1_ps(lo_f), _mm512_set1_ps(hi_f), _mm512_set1_epi32(zero));
+        for p in 0..rows {
+            let a = _mm512_add_epi32(_mm512_loadu_si512(tile.as_ptr().add(p * 16) as *const __m512i), vb);
+            let v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), vs);
+            let q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, vlo), vhi)), vz);
+            let bytes = _mm512_cvtepi32_epi8(q);
+            let out = y.as_mut_ptr().add(p * stride);
+            if width == 16 {
+                _mm_storeu_si128(out as *mut __m128i, bytes);
+            } else {
+                let mut row = [0i8; 16];
+                _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes);
+                std::ptr::copy_nonoverlapping(row.as_ptr(), out, width);
+            }
+        }
+    }
+}
+
 /// i8-domain values back to the stored type, in place.
 pub fn store(qtype: QType, data: &mut [i8]) {
     if qtype == QType::U8 {

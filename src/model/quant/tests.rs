@@ -231,12 +231,20 @@ proptest! {
     fn qdepthwise_is_bit_exact((spec, x, images) in depthwise_case()) {
         let want = depthwise_reference(&spec, &x, images);
         let want_last = channels_last(&want, images, spec.geometry.out_channels);
+        let x_last = channels_last(&x, images, spec.geometry.in_channels);
         for op in QDepthwise::every_kernel(spec.clone()).unwrap() {
             let got = op.run(&x, images).unwrap();
             prop_assert_eq!(&got, &want, "{}, {:?}", op.kernel_name(), spec.geometry);
             if let Some(op) = op.giving_channels_last() {
                 let got = op.run(&x, images).unwrap();
                 prop_assert_eq!(&got, &want_last, "{} channels-last, {:?}", op.kernel_name(), spec.geometry);
+            }
+            if let Some(op) = op.taking_channels_last() {
+                let got = op.run(&x_last, images).unwrap();
+                prop_assert_eq!(&got, &want, "{} channels-last in, {:?}", op.kernel_name(), spec.geometry);
+                let op = op.giving_channels_last().unwrap();
+                let got = op.run(&x_last, images).unwrap();
+                prop_assert_eq!(&got, &want_last, "{} channels-last in and out, {:?}", op.kernel_name(), spec.geometry);
             }
         }
     }
@@ -261,6 +269,10 @@ proptest! {
             prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "{:?} channels-first", tile);
             let op = op.taking_channels_last().expect("a pointwise layer on the byte tile reads channels-last");
             prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want, "{:?} channels-last, {:?}", tile, spec.geometry);
+            if let Some(op) = op.giving_channels_last() {
+                let want_last = channels_last(&want, images, spec.geometry.out_channels);
+                prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want_last, "channels-last out, {:?}", spec.geometry);
+            }
         }
     }
 

@@ -72,6 +72,152 @@ impl Weights {
     }
 }
 
+/// The weights for the channels-in-lanes tile (`pixel_rows`): per block of
+/// 16 output channels and quad of k, each channel's four bytes, so one
+/// 512-bit load holds a quad for 16 channels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelWeights {
+    pub rows: usize,
+    pub k: usize,
+    data: Vec<u32>,
+}
+
+/// Output channels in one register of the channels-in-lanes tile.
+pub const LANES: usize = 16;
+/// Pixels of one channels-in-lanes tile.
+pub const PIXELS: usize = 8;
+
+impl ChannelWeights {
+    /// `values` is row-major `rows x k` (one row per output channel).
+    pub fn pack(values: &[i8], rows: usize, k: usize) -> ChannelWeights {
+        assert_eq!(values.len(), rows * k, "udot::ChannelWeights: {} values for {rows}x{k}", values.len());
+        let k4 = k.div_ceil(4);
+        let mut data = vec![0u32; rows.div_ceil(LANES) * k4 * LANES];
+        for r in 0..rows {
+            for q in 0..k4 {
+                let byte = |t: usize| {
+                    values.get(r * k + 4 * q + t).filter(|_| 4 * q + t < k).map_or(0, |&v| v as u8)
+                };
+                data[((r / LANES) * k4 + q) * LANES + r % LANES] = quad([byte(0), byte(1), byte(2), byte(3)]);
+            }
+        }
+        ChannelWeights { rows, k, data }
+    }
+
+    fn block(&self, b: usize) -> &[u32] {
+        let len = self.k.div_ceil(4) * LANES;
+        &self.data[b * len..(b + 1) * len]
+    }
+}
+
+/// Whether `pixel_rows` runs its AVX-512 VNNI tile here (elsewhere it has
+/// only a portable loop, for the tests).
+pub fn pixel_rows_fast() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::cpu::avx512().is_some_and(|a| a.vnni)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `weights x pixels` the other way round from `product_on`: output
+/// channels in the lanes, pixels in the rows, so each tile row is one
+/// pixel's 16 output channels, ready to store channels-last. `x` holds the
+/// pixels' k values flipped to u8, `stride` bytes apart, readable 4 bytes
+/// past the last quad of the last pixel. Each `PIXELS x LANES` tile goes
+/// to `emit(pixel, channel, tile)` (`tile[p * LANES + c]`; rows past the
+/// last pixel and lanes past the last channel hold nothing meaningful).
+/// AVX-512 VNNI: one load of 16 channels' quad, one broadcast of a pixel's
+/// quad, one `vpdpbusd` per pixel.
+pub fn pixel_rows(
+    weights: &ChannelWeights,
+    x: &[u8],
+    stride: usize,
+    pixels: usize,
+    emit: impl FnMut(usize, usize, &[i32; PIXELS * LANES]),
+) {
+    pixel_rows_on(pixel_rows_fast(), weights, x, stride, pixels, emit)
+}
+
+/// `pixel_rows` on the AVX-512 VNNI tile or, if not `fast`, the portable
+/// loop (the tests run both).
+fn pixel_rows_on(
+    fast: bool,
+    weights: &ChannelWeights,
+    x: &[u8],
+    stride: usize,
+    pixels: usize,
+    mut emit: impl FnMut(usize, usize, &[i32; PIXELS * LANES]),
+) {
+    let k4 = weights.k.div_ceil(4);
+    assert!(pixels == 0 || x.len() >= (pixels - 1) * stride + 4 * k4);
+    let mut tile = [0i32; PIXELS * LANES];
+    #[cfg(target_arch = "x86_64")]
+    let vnni = fast && pixel_rows_fast();
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fast;
+    for p0 in (0..pixels).step_by(PIXELS) {
+        let live = PIXELS.min(pixels - p0);
+        for block in 0..weights.rows.div_ceil(LANES) {
+            let w = weights.block(block);
+            #[cfg(target_arch = "x86_64")]
+            if vnni {
+                // SAFETY: AVX-512 VNNI is present; the assert bounds the
+                // reads of the live pixels.
+                unsafe { pixel_tile_avx512(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
+                emit(p0, block * LANES, &tile);
+                continue;
+            }
+            tile.fill(0);
+            for p in 0..live {
+                for q in 0..k4 {
+                    let at = (p0 + p) * stride + 4 * q;
+                    let u = [x[at], x[at + 1], x[at + 2], x[at + 3]];
+                    for c in 0..LANES {
+                        let wv = w[q * LANES + c].to_le_bytes();
+                        tile[p * LANES + c] += (0..4).map(|t| u[t] as i32 * wv[t] as i8 as i32).sum::<i32>();
+                    }
+                }
+            }
+            emit(p0, block * LANES, &tile);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn pixel_tile_avx512(
+    w: &[u32],
+    x: &[u8],
+    stride: usize,
+    k4: usize,
+    live: usize,
+    tile: &mut [i32; PIXELS * LANES],
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_si512(); PIXELS];
+    // Rows past the live pixels read the last live one again.
+    let rows: [usize; PIXELS] = std::array::from_fn(|p| p.min(live - 1) * stride);
+    for q in 0..k4 {
+        // SAFETY: quad q of the block, and of each live pixel (the caller
+        // checks x's length).
+        unsafe {
+            let wv = _mm512_loadu_si512(w.as_ptr().add(q * LANES) as *const __m512i);
+            for (acc, &row) in acc.iter_mut().zip(&rows) {
+                let u = (x.as_ptr().add(row + 4 * q) as *const i32).read_unaligned();
+                *acc = _mm512_dpbusd_epi32(*acc, _mm512_set1_epi32(u), wv);
+            }
+        }
+    }
+    for (p, acc) in acc.iter().enumerate() {
+        // SAFETY: row p of the tile, 16 i32.
+        unsafe { _mm512_storeu_si512(tile.as_mut_ptr().add(p * LANES) as *mut __m512i, *acc) };
+    }
+}
+
 /// The patch matrix of one image, packed in panels of `NR` columns.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Patches {
@@ -527,6 +673,36 @@ mod tests {
                             let want = plane[layout.row_offsets[4 * q + t] + col];
                             assert_eq!(bytes[t], want, "{g:?}: panel {p} quad {q} column {j} row {t}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The channels-in-lanes tile, fast and portable, against sums from the
+    /// unpacked values, on pixel rows, channel blocks and quads cut at
+    /// every edge.
+    #[test]
+    fn pixel_rows_are_exact_on_every_edge() {
+        let mut rng = fastrand::Rng::with_seed(29);
+        for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (16, 4, 8), (17, 27, 9), (64, 64, 125), (40, 33, 17)] {
+            let w: Vec<i8> = (0..m * k).map(|_| rng.i8(..)).collect();
+            let mut x: Vec<u8> = (0..n * k).map(|_| rng.u8(..)).collect();
+            x.extend([0u8; 4]);
+            let weights = ChannelWeights::pack(&w, m, k);
+            for fast in [false, true] {
+                let mut got = vec![0i32; n * m];
+                pixel_rows_on(fast, &weights, &x, k, n, |p0, c0, tile| {
+                    for p in 0..PIXELS.min(n - p0) {
+                        for c in 0..LANES.min(m - c0) {
+                            got[(p0 + p) * m + c0 + c] = tile[p * LANES + c];
+                        }
+                    }
+                });
+                for p in 0..n {
+                    for c in 0..m {
+                        let want: i32 = (0..k).map(|i| x[p * k + i] as i32 * w[c * k + i] as i32).sum();
+                        assert_eq!(got[p * m + c], want, "fast {fast}, {m}x{k}x{n}: pixel {p} channel {c}");
                     }
                 }
             }
