@@ -286,9 +286,61 @@ pub fn requantize_lanes(
             requantize_lanes_avx512(tile, rows, width, biases, scales, zero, [lo_f, hi_f], y, stride)
         };
     }
+    #[cfg(target_arch = "x86_64")]
+    if biases.len() >= 16 && scales.len() >= 16 && super::cpu::avx2() {
+        // SAFETY: AVX2 is present; as above.
+        return unsafe {
+            requantize_lanes_avx2(tile, rows, width, biases, scales, zero, [lo_f, hi_f], y, stride)
+        };
+    }
     for p in 0..rows {
         for c in 0..width {
             y[p * stride + c] = requantize_one(tile[p * 16 + c], biases[c], scales[c], zero, lo_f, hi_f);
+        }
+    }
+}
+
+/// `requantize_lanes_avx512` in two 8-lane halves, packed as
+/// `requantize_avx2` packs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn requantize_lanes_avx2(
+    tile: &[i32],
+    rows: usize,
+    width: usize,
+    biases: &[i32],
+    scales: &[f32],
+    zero: i32,
+    [lo_f, hi_f]: [f32; 2],
+    y: &mut [i8],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: 16 biases and scales, 16 sums a row, and y's rows (checked
+    // by the caller).
+    unsafe {
+        let vb = [0, 8].map(|h| _mm256_loadu_si256(biases.as_ptr().add(h) as *const __m256i));
+        let vs = [0, 8].map(|h| _mm256_loadu_ps(scales.as_ptr().add(h)));
+        let (vlo, vhi, vz) = (_mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f), _mm256_set1_epi32(zero));
+        for p in 0..rows {
+            let mut words = [_mm_setzero_si128(); 2];
+            for (h, words) in words.iter_mut().enumerate() {
+                let a = _mm256_loadu_si256(tile.as_ptr().add(p * 16 + 8 * h) as *const __m256i);
+                let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, vb[h])), vs[h]);
+                let q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, vlo), vhi)), vz);
+                *words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            }
+            // Already in [-128, 127]: the packs do not saturate anything.
+            let bytes = _mm_packs_epi16(words[0], words[1]);
+            let out = y.as_mut_ptr().add(p * stride);
+            if width == 16 {
+                _mm_storeu_si128(out as *mut __m128i, bytes);
+            } else {
+                let mut row = [0i8; 16];
+                _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes);
+                std::ptr::copy_nonoverlapping(row.as_ptr(), out, width);
+            }
         }
     }
 }
@@ -418,6 +470,54 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     type TileKernel = unsafe fn(&[i32], usize, &[i32], &[f32], [i32; 3], &mut [i8], usize);
+
+    /// The channels-in-lanes requantizers (portable, AVX2, AVX-512) write
+    /// `requantize_one` of each lane with that lane's bias and scale, on
+    /// every width, and nothing past it.
+    #[test]
+    fn lane_requantization_matches_one_value_at_a_time() {
+        let mut rng = fastrand::Rng::with_seed(41);
+        for case in 0..300 {
+            let (rows, width, stride) = (rng.usize(1..=8), rng.usize(1..=16), 16 + rng.usize(0..5));
+            let tile: Vec<i32> = (0..rows * 16).map(|_| rng.i32(-40_000..40_000)).collect();
+            let biases: Vec<i32> = (0..16).map(|_| rng.i32(-5000..5000)).collect();
+            let scales: Vec<f32> = (0..16).map(|_| rng.f32() * 0.02).collect();
+            let zero = rng.i32(-128..128);
+            let (lo, hi) = if rng.bool() { (-128, 127) } else { (zero, 127.min(zero + rng.i32(0..100))) };
+            let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
+            let mut want = vec![7i8; rows * stride];
+            for p in 0..rows {
+                for c in 0..width {
+                    want[p * stride + c] =
+                        requantize_one(tile[p * 16 + c], biases[c], scales[c], zero, lo_f, hi_f);
+                }
+            }
+            let mut got = vec![7i8; rows * stride];
+            requantize_lanes(&tile, rows, width, &biases, &scales, [zero, lo, hi], &mut got, stride);
+            assert_eq!(got, want, "dispatched, case {case}");
+            #[cfg(target_arch = "x86_64")]
+            {
+                let mut kernels: Vec<(&str, LaneKernel)> = Vec::new();
+                if super::super::cpu::avx2() {
+                    kernels.push(("avx2", requantize_lanes_avx2));
+                }
+                if super::super::cpu::avx512().is_some() {
+                    kernels.push(("avx512", requantize_lanes_avx512));
+                }
+                for (name, kernel) in kernels {
+                    let mut got = vec![7i8; rows * stride];
+                    // SAFETY: the host has the kernel's features; got holds every row.
+                    unsafe {
+                        kernel(&tile, rows, width, &biases, &scales, zero, [lo_f, hi_f], &mut got, stride)
+                    };
+                    assert_eq!(got, want, "{name}, case {case}: {rows} rows of {width}");
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    type LaneKernel = unsafe fn(&[i32], usize, usize, &[i32], &[f32], i32, [f32; 2], &mut [i8], usize);
 
     /// Both tile kernels write what `requantize_row` writes, row by row,
     /// on every width (a partial last panel), and nothing past it.

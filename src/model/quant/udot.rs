@@ -110,17 +110,48 @@ impl ChannelWeights {
     }
 }
 
-/// Whether `pixel_rows` runs its AVX-512 VNNI tile here (elsewhere it has
-/// only a portable loop, for the tests).
-pub fn pixel_rows_fast() -> bool {
+/// How `pixel_rows` computes a tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PixelKernel {
+    /// The reference the tests compare the others with; no op runs it.
+    Portable,
+    /// One zmm per pixel row.
     #[cfg(target_arch = "x86_64")]
-    {
-        super::cpu::avx512().is_some_and(|a| a.vnni)
+    Avx512Vnni,
+    /// Two ymm per pixel row, four rows at a time (AVX-VNNI: the Alder
+    /// Lake-N class, no AVX-512).
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+}
+
+impl PixelKernel {
+    /// Those this host runs, fastest first; empty where there is none.
+    pub fn available() -> Vec<PixelKernel> {
+        #[allow(unused_mut)] // pushed to only on x86-64
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::cpu::avx512().is_some_and(|a| a.vnni) {
+                kernels.push(PixelKernel::Avx512Vnni);
+            }
+            if std::is_x86_feature_detected!("avxvnni") {
+                kernels.push(PixelKernel::AvxVnni);
+            }
+        }
+        kernels
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// The best one here, found once.
+    pub fn best() -> Option<PixelKernel> {
+        static BEST: std::sync::OnceLock<Option<PixelKernel>> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| PixelKernel::available().first().copied())
     }
+}
+
+/// Whether `pixel_rows` has a vector tile here (elsewhere only a portable
+/// loop, for the tests): what makes a pointwise layer write channels-last.
+pub fn pixel_rows_fast() -> bool {
+    PixelKernel::best().is_some()
 }
 
 /// `weights x pixels` the other way round from `product_on`: output
@@ -139,13 +170,12 @@ pub fn pixel_rows(
     pixels: usize,
     emit: impl FnMut(usize, usize, &[i32; PIXELS * LANES]),
 ) {
-    pixel_rows_on(pixel_rows_fast(), weights, x, stride, pixels, emit)
+    pixel_rows_on(PixelKernel::best().unwrap_or(PixelKernel::Portable), weights, x, stride, pixels, emit)
 }
 
-/// `pixel_rows` on the AVX-512 VNNI tile or, if not `fast`, the portable
-/// loop (the tests run both).
+/// `pixel_rows` on `kernel` (the tests run each).
 fn pixel_rows_on(
-    fast: bool,
+    kernel: PixelKernel,
     weights: &ChannelWeights,
     x: &[u8],
     stride: usize,
@@ -155,21 +185,27 @@ fn pixel_rows_on(
     let k4 = weights.k.div_ceil(4);
     assert!(pixels == 0 || x.len() >= (pixels - 1) * stride + 4 * k4);
     let mut tile = [0i32; PIXELS * LANES];
-    #[cfg(target_arch = "x86_64")]
-    let vnni = fast && pixel_rows_fast();
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = fast;
     for p0 in (0..pixels).step_by(PIXELS) {
         let live = PIXELS.min(pixels - p0);
         for block in 0..weights.rows.div_ceil(LANES) {
             let w = weights.block(block);
-            #[cfg(target_arch = "x86_64")]
-            if vnni {
-                // SAFETY: AVX-512 VNNI is present; the assert bounds the
-                // reads of the live pixels.
-                unsafe { pixel_tile_avx512(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
-                emit(p0, block * LANES, &tile);
-                continue;
+            // SAFETY: a kernel is chosen only where the host has its
+            // features (`PixelKernel::available`); the assert bounds the
+            // reads of the live pixels.
+            match kernel {
+                #[cfg(target_arch = "x86_64")]
+                PixelKernel::Avx512Vnni => {
+                    unsafe { pixel_tile_avx512(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
+                    emit(p0, block * LANES, &tile);
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                PixelKernel::AvxVnni => {
+                    unsafe { pixel_tile_avx_vnni(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
+                    emit(p0, block * LANES, &tile);
+                    continue;
+                }
+                PixelKernel::Portable => {}
             }
             tile.fill(0);
             for p in 0..live {
@@ -183,6 +219,48 @@ fn pixel_rows_on(
                 }
             }
             emit(p0, block * LANES, &tile);
+        }
+    }
+}
+
+/// `pixel_tile_avx512` in 256-bit registers: 16 accumulators for 8 rows
+/// would leave none for the operands, so four rows at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,avxvnni")]
+unsafe fn pixel_tile_avx_vnni(
+    w: &[u32],
+    x: &[u8],
+    stride: usize,
+    k4: usize,
+    live: usize,
+    tile: &mut [i32; PIXELS * LANES],
+) {
+    use std::arch::x86_64::*;
+    for half in 0..2 {
+        let mut acc = [[_mm256_setzero_si256(); 2]; PIXELS / 2];
+        // Rows past the live pixels read the last live one again.
+        let rows: [usize; PIXELS / 2] =
+            std::array::from_fn(|p| (half * PIXELS / 2 + p).min(live - 1) * stride);
+        for q in 0..k4 {
+            // SAFETY: quad q of the block, and of each live pixel (the
+            // caller checks x's length).
+            unsafe {
+                let w0 = _mm256_loadu_si256(w.as_ptr().add(q * LANES) as *const __m256i);
+                let w1 = _mm256_loadu_si256(w.as_ptr().add(q * LANES + 8) as *const __m256i);
+                for (acc, &row) in acc.iter_mut().zip(&rows) {
+                    let u = _mm256_set1_epi32((x.as_ptr().add(row + 4 * q) as *const i32).read_unaligned());
+                    acc[0] = _mm256_dpbusd_avx_epi32(acc[0], u, w0);
+                    acc[1] = _mm256_dpbusd_avx_epi32(acc[1], u, w1);
+                }
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            let at = (half * PIXELS / 2 + p) * LANES;
+            // SAFETY: row half * 4 + p of the tile, 16 i32.
+            unsafe {
+                _mm256_storeu_si256(tile.as_mut_ptr().add(at) as *mut __m256i, acc[0]);
+                _mm256_storeu_si256(tile.as_mut_ptr().add(at + 8) as *mut __m256i, acc[1]);
+            }
         }
     }
 }
@@ -690,9 +768,9 @@ mod tests {
             let mut x: Vec<u8> = (0..n * k).map(|_| rng.u8(..)).collect();
             x.extend([0u8; 4]);
             let weights = ChannelWeights::pack(&w, m, k);
-            for fast in [false, true] {
+            for kernel in [PixelKernel::Portable].into_iter().chain(PixelKernel::available()) {
                 let mut got = vec![0i32; n * m];
-                pixel_rows_on(fast, &weights, &x, k, n, |p0, c0, tile| {
+                pixel_rows_on(kernel, &weights, &x, k, n, |p0, c0, tile| {
                     for p in 0..PIXELS.min(n - p0) {
                         for c in 0..LANES.min(m - c0) {
                             got[(p0 + p) * m + c0 + c] = tile[p * LANES + c];
@@ -702,7 +780,7 @@ mod tests {
                 for p in 0..n {
                     for c in 0..m {
                         let want: i32 = (0..k).map(|i| x[p * k + i] as i32 * w[c * k + i] as i32).sum();
-                        assert_eq!(got[p * m + c], want, "fast {fast}, {m}x{k}x{n}: pixel {p} channel {c}");
+                        assert_eq!(got[p * m + c], want, "{kernel:?}, {m}x{k}x{n}: pixel {p} channel {c}");
                     }
                 }
             }
