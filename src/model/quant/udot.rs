@@ -482,7 +482,8 @@ pub enum TileKernel {
     /// bytes flipped back to i8, each row started at `128 * sum(w)`.
     #[cfg(target_arch = "aarch64")]
     NeonDot,
-    /// Armv8.6 I8MM `usdot`: u8 x s8 as the x86 tiles compute it.
+    /// Armv8.6 I8MM `usmmla`: u8 x s8 as the x86 tiles compute it, 2 x 2
+    /// blocks of sums from eight bytes a side.
     #[cfg(target_arch = "aarch64")]
     NeonI8mm,
 }
@@ -530,7 +531,7 @@ impl TileKernel {
             #[cfg(target_arch = "aarch64")]
             TileKernel::NeonDot => "edgeinfer neon sdot u8xs8",
             #[cfg(target_arch = "aarch64")]
-            TileKernel::NeonI8mm => "edgeinfer neon i8mm usdot u8xs8",
+            TileKernel::NeonI8mm => "edgeinfer neon i8mm usmmla u8xs8",
         }
     }
 }
@@ -569,7 +570,7 @@ pub fn product_on(
                     neon::sdot_tile(a, b, k4, start, &mut tile)
                 },
                 #[cfg(target_arch = "aarch64")]
-                TileKernel::NeonI8mm => unsafe { neon::usdot_tile(a, b, k4, &mut tile) },
+                TileKernel::NeonI8mm => unsafe { neon::usmmla_tile(a, b, k4, &mut tile) },
                 TileKernel::Portable => portable_tile(a, b, k4, &mut tile),
             }
             emit(rp * MR, cp * NR, &tile);
@@ -636,26 +637,57 @@ mod neon {
         store(&acc, tile);
     }
 
-    /// The tile of `u * w` with `usdot` (unsigned columns, signed weights).
+    /// The tile of `u * w` with `usmmla` (I8MM's 2 x 8 by 8 x 2 matrix
+    /// multiply-accumulate, unsigned columns by signed weights): per pair of
+    /// quads, two columns' eight bytes against two rows' eight give a 2 x 2
+    /// block of sums, twice the multiply-adds of a dot product by element.
+    /// The panels' quads are zipped in pairs into those eight-byte rows.
     #[target_feature(enable = "neon,i8mm")]
-    pub(super) unsafe fn usdot_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+    pub(super) unsafe fn usmmla_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
         assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
-        let mut acc: [[int32x4_t; 4]; MR] = [[vdupq_n_s32(0); 4]; MR];
-        for q in 0..k4 {
-            // SAFETY: as in `sdot_tile`, the host having I8MM.
+        // acc[r][c]: rows 2r, 2r + 1 by columns 2c, 2c + 1, lanes ordered
+        // (2c, 2r), (2c, 2r + 1), (2c + 1, 2r), (2c + 1, 2r + 1).
+        let mut acc = [[vdupq_n_s32(0); NR / 2]; MR / 2];
+        let zero = vdupq_n_u32(0);
+        for q in (0..k4).step_by(2) {
+            // SAFETY: quads q and q + 1 (when there is one) of both panels,
+            // inside the slices (asserted); the host has I8MM.
             unsafe {
-                let w = vreinterpretq_s8_u32(vld1q_u32(a.as_ptr().add(q * MR)));
-                let cols = b.as_ptr().add(q * NR) as *const u8;
-                for g in 0..4 {
-                    let u = vld1q_u8(cols.add(16 * g));
-                    dot_by_element!("usdot", acc[0][g], u, w, "0");
-                    dot_by_element!("usdot", acc[1][g], u, w, "1");
-                    dot_by_element!("usdot", acc[2][g], u, w, "2");
-                    dot_by_element!("usdot", acc[3][g], u, w, "3");
+                let next = q + 1 < k4;
+                let load = |p: *const u32, at: usize, second: bool| match second {
+                    true if !next => zero,
+                    _ => vld1q_u32(p.add(at)),
+                };
+                let (w0, w1) = (load(a.as_ptr(), q * MR, false), load(a.as_ptr(), (q + 1) * MR, true));
+                let rows = [vreinterpretq_s8_u32(vzip1q_u32(w0, w1)), vreinterpretq_s8_u32(vzip2q_u32(w0, w1))];
+                for g in 0..NR / 4 {
+                    let b0 = load(b.as_ptr(), q * NR + 4 * g, false);
+                    let b1 = load(b.as_ptr(), (q + 1) * NR + 4 * g, true);
+                    let cols = [vreinterpretq_u8_u32(vzip1q_u32(b0, b1)), vreinterpretq_u8_u32(vzip2q_u32(b0, b1))];
+                    for (r, &w) in rows.iter().enumerate() {
+                        for (h, &u) in cols.iter().enumerate() {
+                            std::arch::asm!(
+                                "usmmla {acc:v}.4s, {u:v}.16b, {w:v}.16b",
+                                acc = inout(vreg) acc[r][2 * g + h],
+                                u = in(vreg) u,
+                                w = in(vreg) w,
+                                options(pure, nomem, nostack, preserves_flags),
+                            );
+                        }
+                    }
                 }
             }
         }
-        store(&acc, tile);
+        for (r, pairs) in acc.iter().enumerate() {
+            for c in (0..NR / 2).step_by(2) {
+                let (lo, hi) = (pairs[c], pairs[c + 1]);
+                // SAFETY: four i32 of rows 2r and 2r + 1, columns 2c..2c + 4.
+                unsafe {
+                    vst1q_s32(tile.as_mut_ptr().add(2 * r * NR + 2 * c), vuzp1q_s32(lo, hi));
+                    vst1q_s32(tile.as_mut_ptr().add((2 * r + 1) * NR + 2 * c), vuzp2q_s32(lo, hi));
+                }
+            }
+        }
     }
 
     /// Row `i`'s four registers to `tile[i * NR..]`, columns in order.
