@@ -659,11 +659,13 @@ mod neon {
                     _ => vld1q_u32(p.add(at)),
                 };
                 let (w0, w1) = (load(a.as_ptr(), q * MR, false), load(a.as_ptr(), (q + 1) * MR, true));
-                let rows = [vreinterpretq_s8_u32(vzip1q_u32(w0, w1)), vreinterpretq_s8_u32(vzip2q_u32(w0, w1))];
+                let rows =
+                    [vreinterpretq_s8_u32(vzip1q_u32(w0, w1)), vreinterpretq_s8_u32(vzip2q_u32(w0, w1))];
                 for g in 0..NR / 4 {
                     let b0 = load(b.as_ptr(), q * NR + 4 * g, false);
                     let b1 = load(b.as_ptr(), (q + 1) * NR + 4 * g, true);
-                    let cols = [vreinterpretq_u8_u32(vzip1q_u32(b0, b1)), vreinterpretq_u8_u32(vzip2q_u32(b0, b1))];
+                    let cols =
+                        [vreinterpretq_u8_u32(vzip1q_u32(b0, b1)), vreinterpretq_u8_u32(vzip2q_u32(b0, b1))];
                     for (r, &w) in rows.iter().enumerate() {
                         for (h, &u) in cols.iter().enumerate() {
                             std::arch::asm!(
