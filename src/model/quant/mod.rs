@@ -8,6 +8,9 @@
 //! replacement wired between the same named tensors, and what it replaced
 //! (dequantize, float conv, relu, quantize) is left dead for declutter to
 //! remove. Whatever does not match stays on tract's own ops.
+//!
+//! One float op rides on the same rewrite: `float_depthwise`, for the f32
+//! depthwise convolutions tract runs element by element.
 
 pub mod add;
 pub mod choice;
