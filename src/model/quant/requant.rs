@@ -139,6 +139,58 @@ pub fn requantize_one(acc: i32, bias: i32, scale: f32, zero: i32, lo_f: f32, hi_
     (round_half_even(v) as i32 + zero) as i8
 }
 
+/// Eight sums requantized as `requantize_one` does each, the same
+/// operations in the same order, packed to eight i16 (`vpackssdw`): the
+/// AVX2 step every vector requantizer below is made of.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn words8(
+    sums: std::arch::x86_64::__m256i,
+    bias: std::arch::x86_64::__m256i,
+    scale: std::arch::x86_64::__m256,
+    [lo, hi]: [std::arch::x86_64::__m256; 2],
+    zero: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sums, bias)), scale);
+    let q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)), zero);
+    // Already in [-128, 127]: the packs do not saturate anything.
+    _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1))
+}
+
+/// `words8` on sixteen lanes with AVX-512, to bytes (`vpmovdb` truncates:
+/// the values are already in range).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn bytes16(
+    sums: std::arch::x86_64::__m512i,
+    bias: std::arch::x86_64::__m512i,
+    scale: std::arch::x86_64::__m512,
+    [lo, hi]: [std::arch::x86_64::__m512; 2],
+    zero: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums, bias)), scale);
+    _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)), zero))
+}
+
+/// The first `out.len()` (at most 16) of 16 bytes into `out`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn store_first(bytes: std::arch::x86_64::__m128i, out: &mut [i8]) {
+    use std::arch::x86_64::*;
+    let mut row = [0i8; 16];
+    let dst = if out.len() == 16 { out.as_mut_ptr() } else { row.as_mut_ptr() };
+    // SAFETY: 16 bytes into `out` when it holds 16, else into `row`.
+    unsafe { _mm_storeu_si128(dst as *mut __m128i, bytes) };
+    if out.len() < 16 {
+        let n = out.len();
+        out.copy_from_slice(&row[..n]);
+    }
+}
+
 /// Returns how many leading values it wrote (a multiple of 8).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -153,17 +205,13 @@ unsafe fn requantize_avx2(
 ) -> usize {
     use std::arch::x86_64::*;
     let n = acc.len().min(out.len()) / 8 * 8;
-    unsafe {
-        let (vb, vs, vz) = (_mm256_set1_epi32(bias), _mm256_set1_ps(scale), _mm256_set1_epi32(zero));
-        let (vlo, vhi) = (_mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f));
-        for i in (0..n).step_by(8) {
-            let a = _mm256_add_epi32(_mm256_loadu_si256(acc.as_ptr().add(i) as *const __m256i), vb);
-            let v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), vs), vlo), vhi);
-            let q = _mm256_add_epi32(_mm256_cvtps_epi32(v), vz);
-            // Already in [-128, 127]: the packs do not saturate anything.
-            let w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            let b = _mm_packs_epi16(w, w);
-            _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, b);
+    let (vb, vs, vz) = (_mm256_set1_epi32(bias), _mm256_set1_ps(scale), _mm256_set1_epi32(zero));
+    let bounds = [_mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f)];
+    for i in (0..n).step_by(8) {
+        // SAFETY: values i..i + 8 of acc and of out (n bounds both).
+        unsafe {
+            let w = words8(_mm256_loadu_si256(acc.as_ptr().add(i) as *const __m256i), vb, vs, bounds, vz);
+            _mm_storel_epi64(out.as_mut_ptr().add(i) as *mut __m128i, _mm_packs_epi16(w, w));
         }
     }
     n
@@ -191,36 +239,19 @@ pub unsafe fn requantize_tile_avx2(
     stride: usize,
 ) {
     use std::arch::x86_64::*;
-    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
-    let (vz, vlo, vhi) = (_mm256_set1_epi32(zero), _mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f));
+    let bounds = [_mm256_set1_ps((lo - zero) as f32), _mm256_set1_ps((hi - zero) as f32)];
+    let vz = _mm256_set1_epi32(zero);
     for (i, ((sums, &bias), &scale)) in tile.chunks_exact(16).zip(biases).zip(scales).enumerate() {
         let (vb, vs) = (_mm256_set1_epi32(bias), _mm256_set1_ps(scale));
-        let mut words = [_mm_setzero_si128(); 2];
-        for (half, words) in words.iter_mut().enumerate() {
-            // SAFETY: 8 of the row's 16 sums.
-            let a = unsafe { _mm256_loadu_si256(sums.as_ptr().add(8 * half) as *const __m256i) };
-            let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, vb)), vs);
-            let q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, vlo), vhi)), vz);
-            *words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        }
-        // Already in [-128, 127]: the packs do not saturate anything.
-        let bytes = _mm_packs_epi16(words[0], words[1]);
-        let out = &mut y[i * stride..i * stride + width];
-        if width == 16 {
-            // SAFETY: out holds 16 bytes.
-            unsafe { _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, bytes) };
-        } else {
-            let mut row = [0i8; 16];
-            // SAFETY: 16 bytes into a 16-byte array.
-            unsafe { _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes) };
-            out.copy_from_slice(&row[..width]);
-        }
+        // SAFETY: the row's 16 sums, 8 at a time.
+        let [w0, w1] = [0, 8].map(|h| {
+            words8(unsafe { _mm256_loadu_si256(sums.as_ptr().add(h) as *const __m256i) }, vb, vs, bounds, vz)
+        });
+        store_first(_mm_packs_epi16(w0, w1), &mut y[i * stride..i * stride + width]);
     }
 }
 
-/// `requantize_tile_avx2` on one 512-bit register a row: the same
-/// operations on 16 lanes at once, so the same bytes, in half the
-/// instructions (`vpmovdb` truncates: the values are already in range).
+/// `requantize_tile_avx2` on one 512-bit register a row.
 ///
 /// # Safety
 /// The host must have AVX-512 F; `y` must hold every row written.
@@ -236,27 +267,13 @@ pub unsafe fn requantize_tile_avx512(
     stride: usize,
 ) {
     use std::arch::x86_64::*;
-    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
-    let (vz, vlo, vhi) = (_mm512_set1_epi32(zero), _mm512_set1_ps(lo_f), _mm512_set1_ps(hi_f));
+    let bounds = [_mm512_set1_ps((lo - zero) as f32), _mm512_set1_ps((hi - zero) as f32)];
+    let vz = _mm512_set1_epi32(zero);
     for (i, ((sums, &bias), &scale)) in tile.chunks_exact(16).zip(biases).zip(scales).enumerate() {
         // SAFETY: the row's 16 sums.
         let a = unsafe { _mm512_loadu_si512(sums.as_ptr() as *const __m512i) };
-        let v = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_add_epi32(a, _mm512_set1_epi32(bias))),
-            _mm512_set1_ps(scale),
-        );
-        let q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, vlo), vhi)), vz);
-        let bytes = _mm512_cvtepi32_epi8(q);
-        let out = &mut y[i * stride..i * stride + width];
-        if width == 16 {
-            // SAFETY: out holds 16 bytes.
-            unsafe { _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, bytes) };
-        } else {
-            let mut row = [0i8; 16];
-            // SAFETY: 16 bytes into a 16-byte array.
-            unsafe { _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes) };
-            out.copy_from_slice(&row[..width]);
-        }
+        let bytes = bytes16(a, _mm512_set1_epi32(bias), _mm512_set1_ps(scale), bounds, vz);
+        store_first(bytes, &mut y[i * stride..i * stride + width]);
     }
 }
 
@@ -276,23 +293,23 @@ pub fn requantize_lanes(
     y: &mut [i8],
     stride: usize,
 ) {
-    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
     assert!(width <= 16 && tile.len() >= rows * 16 && (rows == 0 || y.len() >= (rows - 1) * stride + width));
     #[cfg(target_arch = "x86_64")]
     if biases.len() >= 16 && scales.len() >= 16 && super::cpu::avx512().is_some() {
         // SAFETY: AVX-512 F is present; 16 biases and scales are there,
         // and the assert bounds the tile and y.
         return unsafe {
-            requantize_lanes_avx512(tile, rows, width, biases, scales, zero, [lo_f, hi_f], y, stride)
+            requantize_lanes_avx512(tile, rows, width, biases, scales, [zero, lo, hi], y, stride)
         };
     }
     #[cfg(target_arch = "x86_64")]
     if biases.len() >= 16 && scales.len() >= 16 && super::cpu::avx2() {
         // SAFETY: AVX2 is present; as above.
         return unsafe {
-            requantize_lanes_avx2(tile, rows, width, biases, scales, zero, [lo_f, hi_f], y, stride)
+            requantize_lanes_avx2(tile, rows, width, biases, scales, [zero, lo, hi], y, stride)
         };
     }
+    let (lo_f, hi_f) = ((lo - zero) as f32, (hi - zero) as f32);
     for p in 0..rows {
         for c in 0..width {
             y[p * stride + c] = requantize_one(tile[p * 16 + c], biases[c], scales[c], zero, lo_f, hi_f);
@@ -300,8 +317,7 @@ pub fn requantize_lanes(
     }
 }
 
-/// `requantize_lanes_avx512` in two 8-lane halves, packed as
-/// `requantize_avx2` packs.
+/// `requantize_lanes_avx512` in two 8-lane halves.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[allow(clippy::too_many_arguments)]
@@ -311,37 +327,23 @@ unsafe fn requantize_lanes_avx2(
     width: usize,
     biases: &[i32],
     scales: &[f32],
-    zero: i32,
-    [lo_f, hi_f]: [f32; 2],
+    [zero, lo, hi]: [i32; 3],
     y: &mut [i8],
     stride: usize,
 ) {
     use std::arch::x86_64::*;
-    // SAFETY: 16 biases and scales, 16 sums a row, and y's rows (checked
-    // by the caller).
-    unsafe {
-        let vb = [0, 8].map(|h| _mm256_loadu_si256(biases.as_ptr().add(h) as *const __m256i));
-        let vs = [0, 8].map(|h| _mm256_loadu_ps(scales.as_ptr().add(h)));
-        let (vlo, vhi, vz) = (_mm256_set1_ps(lo_f), _mm256_set1_ps(hi_f), _mm256_set1_epi32(zero));
-        for p in 0..rows {
-            let mut words = [_mm_setzero_si128(); 2];
-            for (h, words) in words.iter_mut().enumerate() {
-                let a = _mm256_loadu_si256(tile.as_ptr().add(p * 16 + 8 * h) as *const __m256i);
-                let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, vb[h])), vs[h]);
-                let q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, vlo), vhi)), vz);
-                *words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-            }
-            // Already in [-128, 127]: the packs do not saturate anything.
-            let bytes = _mm_packs_epi16(words[0], words[1]);
-            let out = y.as_mut_ptr().add(p * stride);
-            if width == 16 {
-                _mm_storeu_si128(out as *mut __m128i, bytes);
-            } else {
-                let mut row = [0i8; 16];
-                _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes);
-                std::ptr::copy_nonoverlapping(row.as_ptr(), out, width);
-            }
-        }
+    // SAFETY: 16 biases and scales (checked by the caller).
+    let vb = [0, 8].map(|h| unsafe { _mm256_loadu_si256(biases.as_ptr().add(h) as *const __m256i) });
+    let vs = [0, 8].map(|h| unsafe { _mm256_loadu_ps(scales.as_ptr().add(h)) });
+    let bounds = [_mm256_set1_ps((lo - zero) as f32), _mm256_set1_ps((hi - zero) as f32)];
+    let vz = _mm256_set1_epi32(zero);
+    for p in 0..rows {
+        // SAFETY: the row's 16 sums, 8 at a time (the caller's assert).
+        let [w0, w1] = [0, 8].map(|h| {
+            let sums = unsafe { _mm256_loadu_si256(tile.as_ptr().add(p * 16 + h) as *const __m256i) };
+            words8(sums, vb[h / 8], vs[h / 8], bounds, vz)
+        });
+        store_first(_mm_packs_epi16(w0, w1), &mut y[p * stride..p * stride + width]);
     }
 }
 
@@ -354,32 +356,20 @@ unsafe fn requantize_lanes_avx512(
     width: usize,
     biases: &[i32],
     scales: &[f32],
-    zero: i32,
-    [lo_f, hi_f]: [f32; 2],
+    [zero, lo, hi]: [i32; 3],
     y: &mut [i8],
     stride: usize,
 ) {
     use std::arch::x86_64::*;
-    // SAFETY: 16 biases and scales, 16 sums a row, and y's rows (checked
-    // by the caller).
-    unsafe {
-        let vb = _mm512_loadu_si512(biases.as_ptr() as *const __m512i);
-        let vs = _mm512_loadu_ps(scales.as_ptr());
-        let (vlo, vhi, vz) = (_mm512_set1_ps(lo_f), _mm512_set1_ps(hi_f), _mm512_set1_epi32(zero));
-        for p in 0..rows {
-            let a = _mm512_add_epi32(_mm512_loadu_si512(tile.as_ptr().add(p * 16) as *const __m512i), vb);
-            let v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), vs);
-            let q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, vlo), vhi)), vz);
-            let bytes = _mm512_cvtepi32_epi8(q);
-            let out = y.as_mut_ptr().add(p * stride);
-            if width == 16 {
-                _mm_storeu_si128(out as *mut __m128i, bytes);
-            } else {
-                let mut row = [0i8; 16];
-                _mm_storeu_si128(row.as_mut_ptr() as *mut __m128i, bytes);
-                std::ptr::copy_nonoverlapping(row.as_ptr(), out, width);
-            }
-        }
+    // SAFETY: 16 biases and scales (checked by the caller).
+    let (vb, vs) =
+        unsafe { (_mm512_loadu_si512(biases.as_ptr() as *const __m512i), _mm512_loadu_ps(scales.as_ptr())) };
+    let bounds = [_mm512_set1_ps((lo - zero) as f32), _mm512_set1_ps((hi - zero) as f32)];
+    let vz = _mm512_set1_epi32(zero);
+    for p in 0..rows {
+        // SAFETY: the row's 16 sums (the caller's assert).
+        let sums = unsafe { _mm512_loadu_si512(tile.as_ptr().add(p * 16) as *const __m512i) };
+        store_first(bytes16(sums, vb, vs, bounds, vz), &mut y[p * stride..p * stride + width]);
     }
 }
 
@@ -507,9 +497,7 @@ mod tests {
                 for (name, kernel) in kernels {
                     let mut got = vec![7i8; rows * stride];
                     // SAFETY: the host has the kernel's features; got holds every row.
-                    unsafe {
-                        kernel(&tile, rows, width, &biases, &scales, zero, [lo_f, hi_f], &mut got, stride)
-                    };
+                    unsafe { kernel(&tile, rows, width, &biases, &scales, [zero, lo, hi], &mut got, stride) };
                     assert_eq!(got, want, "{name}, case {case}: {rows} rows of {width}");
                 }
             }
@@ -517,7 +505,7 @@ mod tests {
     }
 
     #[cfg(target_arch = "x86_64")]
-    type LaneKernel = unsafe fn(&[i32], usize, usize, &[i32], &[f32], i32, [f32; 2], &mut [i8], usize);
+    type LaneKernel = unsafe fn(&[i32], usize, usize, &[i32], &[f32], [i32; 3], &mut [i8], usize);
 
     /// Both tile kernels write what `requantize_row` writes, row by row,
     /// on every width (a partial last panel), and nothing past it.
