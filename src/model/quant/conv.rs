@@ -48,7 +48,7 @@ pub struct QConv {
     /// the depthwise layers after it (`giving_channels_last`), computed by
     /// the channels-in-lanes tile with these weights.
     output_layout: Layout,
-    pixel_weights: Option<Arc<udot::ChannelWeights>>,
+    pixel_weights: Option<Arc<udot::Weights>>,
 }
 
 impl PartialEq for QConv {
@@ -160,10 +160,11 @@ impl QConv {
         multipliers.resize(lanes, 0.0);
         Some(QConv {
             output_layout: Layout::ChannelsLast,
-            pixel_weights: Some(Arc::new(udot::ChannelWeights::pack(
+            pixel_weights: Some(Arc::new(udot::Weights::pack_in(
                 &self.spec.weights,
                 g.out_channels,
                 g.patch_len(),
+                udot::LANES,
             ))),
             offsets: Arc::new(offsets),
             multipliers: Arc::new(multipliers),
@@ -231,7 +232,7 @@ impl QConv {
     /// row requantized into its pixel's channels.
     fn run_pixel_rows(
         &self,
-        weights: &udot::ChannelWeights,
+        weights: &udot::Weights,
         x: &[i8],
         images: usize,
         out: &mut [i8],
@@ -242,8 +243,9 @@ impl QConv {
         let zy = self.spec.output.zero_i8();
         let mut flipped: Vec<u8> = Vec::with_capacity(n * k + 4);
         for (image, y) in x.chunks(n * k).zip(out.chunks_mut(n * co)).take(images) {
-            flipped.clear();
-            flipped.extend(image.iter().map(|&v| v as u8 ^ 0x80));
+            // Pointwise, so unpadded: each byte flipped in place, whatever
+            // the layout.
+            flip_padded(&g, image, self.spec.input.zero_i8(), &mut flipped);
             // The last pixel's last quad may read past its k bytes.
             flipped.extend([0u8; 4]);
             udot::pixel_rows(weights, &flipped, k, n, |p0, c0, tile| {
@@ -258,9 +260,9 @@ impl QConv {
     /// Requantizes the `mr x nr` tiles a product hands to its `emit` into
     /// `y` (`out_channels x n`). With AVX2 and 16-column tiles, each tile
     /// goes straight to `y` in registers (`requantize_tile_avx2`, or
-    /// `_avx512` with one register a row); elsewhere the tiles are gathered into one i32
-    /// row per channel and each row requantized in one call, since per tile
-    /// the scalar code costs as much as the arithmetic.
+    /// `_avx512` with one register a row); elsewhere the tiles are gathered
+    /// into one i32 row per channel and each row requantized in one call,
+    /// since per tile the scalar code costs as much as the arithmetic.
     fn requantize_tiles(
         &self,
         mr: usize,
@@ -410,8 +412,7 @@ impl Op for QConv {
                 g.pads,
                 self.spec.activation,
                 self.kernel_name()
-            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" }
-                + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
+            ) + &Layout::describe([self.input_layout, self.output_layout]),
         ])
     }
 

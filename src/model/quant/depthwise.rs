@@ -299,12 +299,7 @@ impl QDepthwise {
             spec.weights.len()
         );
         let channels = c.div_ceil(BLOCK) * BLOCK;
-        let wp = g.width + g.pads[1] + g.pads[3];
-        let mut tap_offsets: Vec<usize> = (0..g.kernel[0])
-            .flat_map(|ky| {
-                (0..g.kernel[1]).map(move |kx| (ky * g.dilations[0] * wp + kx * g.dilations[1]) * channels)
-            })
-            .collect();
+        let (mut tap_offsets, pixel_offsets) = g.channels_last_offsets(channels);
         if taps % 2 == 1 {
             tap_offsets.push(0);
         }
@@ -333,9 +328,6 @@ impl QDepthwise {
         let lanes = |block: usize| LO.into_iter().chain(HI).map(move |lane| block * BLOCK + lane);
         let lane_bias = (0..channels / BLOCK).flat_map(lanes).map(|ch| bias[ch]).collect();
         let lane_multipliers = (0..channels / BLOCK).flat_map(lanes).map(|ch| multipliers[ch]).collect();
-        let pixel_offsets = (0..g.height)
-            .flat_map(|y| (0..g.width).map(move |x| ((y + g.pads[0]) * wp + x + g.pads[1]) * channels))
-            .collect();
         let packed = Packed {
             channels,
             pixel_offsets,
@@ -657,8 +649,7 @@ impl Op for QDepthwise {
                 g.pads,
                 self.spec.activation,
                 self.kernel_name()
-            ) + if self.input_layout == Layout::ChannelsLast { ", channels-last in" } else { "" }
-                + if self.output_layout == Layout::ChannelsLast { ", channels-last out" } else { "" },
+            ) + &Layout::describe([self.input_layout, self.output_layout]),
         ])
     }
 

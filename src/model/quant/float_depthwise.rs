@@ -13,6 +13,8 @@
 //! difference).
 
 use super::patches::Geometry;
+#[cfg(target_arch = "x86_64")]
+use super::transpose::tiles;
 use std::sync::Arc;
 use tract_onnx::prelude::*;
 use tract_onnx::tract_core::internal::*;
@@ -119,15 +121,7 @@ impl FDepthwise {
         }
         let mut bias = spec.bias.clone();
         bias.resize(channels, 0.0);
-        let wp = g.width + g.pads[1] + g.pads[3];
-        let tap_offsets = (0..g.kernel[0])
-            .flat_map(|ky| {
-                (0..g.kernel[1]).map(move |kx| (ky * g.dilations[0] * wp + kx * g.dilations[1]) * channels)
-            })
-            .collect();
-        let pixel_offsets = (0..g.height)
-            .flat_map(|y| (0..g.width).map(move |x| ((y + g.pads[0]) * wp + x + g.pads[1]) * channels))
-            .collect();
+        let (tap_offsets, pixel_offsets) = g.channels_last_offsets(channels);
         Ok(FDepthwise {
             spec: Arc::new(spec),
             kernel,
@@ -262,20 +256,13 @@ fn to_channels_first(src: &[f32], stride: usize, channels: usize, pixels: usize,
     }
 }
 
-/// Where each 8-wide tile along `len` (at least 8) starts; the last one
-/// ends at `len` and may overlap the one before, writing the same values.
-#[cfg(target_arch = "x86_64")]
-fn tiles(len: usize) -> impl Iterator<Item = usize> {
-    (0..len.div_ceil(BLOCK)).map(move |t| (t * BLOCK).min(len - BLOCK))
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn to_channels_last_avx2(x: &[f32], channels: usize, offsets: &[usize], plane: &mut [f32]) {
     use std::arch::x86_64::*;
     let pixels = offsets.len();
     for c0 in (0..channels).step_by(BLOCK) {
-        for p0 in tiles(pixels) {
+        for p0 in tiles(pixels, BLOCK) {
             // SAFETY: rows c0.. below `channels` hold `pixels` values from
             // p0 + 8 <= pixels; each pixel's block of 8 lanes is in the plane.
             unsafe {
@@ -295,7 +282,7 @@ unsafe fn to_channels_last_avx2(x: &[f32], channels: usize, offsets: &[usize], p
 #[target_feature(enable = "avx2")]
 unsafe fn to_channels_first_avx2(src: &[f32], stride: usize, channels: usize, pixels: usize, y: &mut [f32]) {
     use std::arch::x86_64::*;
-    for p0 in tiles(pixels) {
+    for p0 in tiles(pixels, BLOCK) {
         for c0 in (0..channels).step_by(BLOCK) {
             // SAFETY: pixels p0..p0 + 8 hold `stride` (a multiple of 8)
             // values each; the columns written are channels below `channels`.

@@ -20,6 +20,16 @@ pub enum Layout {
 }
 
 impl Layout {
+    /// What an op's info adds for its input and output layouts: nothing
+    /// for channels-first, `, channels-last in` / `out` otherwise.
+    pub fn describe([input, output]: [Layout; 2]) -> String {
+        let note = |layout: Layout, side: &str| match layout {
+            Layout::ChannelsFirst => String::new(),
+            Layout::ChannelsLast => format!(", channels-last {side}"),
+        };
+        note(input, "in") + &note(output, "out")
+    }
+
     /// The 4-D shape of `[n, channels, h, w]` in this layout.
     pub fn shape<D: Clone>(self, [n, c, h, w]: [D; 4]) -> TVec<D> {
         match self {
@@ -58,6 +68,26 @@ impl Geometry {
             dim(self.height, self.kernel[0], self.strides[0], self.dilations[0], self.pads[0], self.pads[2])?,
             dim(self.width, self.kernel[1], self.strides[1], self.dilations[1], self.pads[1], self.pads[3])?,
         ])
+    }
+
+    /// Where each tap of the window reads and where each input pixel
+    /// goes, in a padded channels-last plane of `channels` lanes a pixel
+    /// (the depthwise kernels' layout): tap `ky * kw + kx` from the output
+    /// pixel's window origin, input pixel `y * width + x` at its place.
+    pub fn channels_last_offsets(&self, channels: usize) -> (Vec<usize>, Vec<usize>) {
+        let wp = self.width + self.pads[1] + self.pads[3];
+        let taps = (0..self.kernel[0])
+            .flat_map(|ky| {
+                (0..self.kernel[1])
+                    .map(move |kx| (ky * self.dilations[0] * wp + kx * self.dilations[1]) * channels)
+            })
+            .collect();
+        let pixels = (0..self.height)
+            .flat_map(|y| {
+                (0..self.width).map(move |x| ((y + self.pads[0]) * wp + x + self.pads[1]) * channels)
+            })
+            .collect();
+        (taps, pixels)
     }
 
     /// Values in one image's output: `out_channels x oh x ow`.

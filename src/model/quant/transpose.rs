@@ -4,18 +4,18 @@
 //! convolution itself (measured: about 60% of the op on kws); with AVX2
 //! they move 16 x 16 tiles through a byte transpose in registers.
 
-/// Where each 16-wide tile along `len` (at least 16) starts; the last one
-/// ends at `len` and may overlap the one before it, which only writes the
-/// same values again.
+/// Where each `width`-wide tile along `len` (at least `width`) starts; the
+/// last one ends at `len` and may overlap the one before it, which only
+/// writes the same values again.
 #[cfg(target_arch = "x86_64")]
-fn tiles(len: usize) -> impl Iterator<Item = usize> {
-    (0..len.div_ceil(16)).map(move |t| (t * 16).min(len - 16))
+pub(super) fn tiles(len: usize, width: usize) -> impl Iterator<Item = usize> {
+    (0..len.div_ceil(width)).map(move |t| (t * width).min(len - width))
 }
 
 /// `tiles`, or one partial tile at 0 for fewer than 16 channels.
 #[cfg(target_arch = "x86_64")]
 fn channel_tiles(channels: usize) -> impl Iterator<Item = usize> {
-    tiles(channels.max(16)).map(move |c0| c0.min(channels.saturating_sub(16)))
+    tiles(channels.max(16), 16).map(move |c0| c0.min(channels.saturating_sub(16)))
 }
 
 /// `plane[offsets[p] + c] = x[c * pixels + p] - zero` for every channel `c`
@@ -119,7 +119,7 @@ unsafe fn widen_avx2(x: &[i8], channels: usize, offsets: &[usize], zero: i32, pl
     let pixels = offsets.len();
     let z = _mm256_set1_epi16(zero as i16);
     for c0 in channel_tiles(channels) {
-        for p0 in tiles(pixels) {
+        for p0 in tiles(pixels, 16) {
             unsafe {
                 let rows = std::array::from_fn(|i| match c0 + i < channels {
                     true => _mm_loadu_si128(x.as_ptr().add((c0 + i) * pixels + p0) as *const __m128i),
@@ -139,7 +139,7 @@ unsafe fn widen_avx2(x: &[i8], channels: usize, offsets: &[usize], zero: i32, pl
 #[target_feature(enable = "avx2")]
 unsafe fn channels_first_avx2(src: &[i8], stride: usize, channels: usize, pixels: usize, y: &mut [i8]) {
     use std::arch::x86_64::*;
-    for p0 in tiles(pixels) {
+    for p0 in tiles(pixels, 16) {
         for c0 in channel_tiles(channels) {
             unsafe {
                 let rows = std::array::from_fn(|i| {

@@ -26,11 +26,15 @@ pub const NR: usize = super::igemm::NR;
 /// Rows of a weight panel: the tile is `MR x NR`.
 pub const MR: usize = 4;
 
-/// The weights (`rows x k`, i8) packed in panels of `MR` rows.
+/// The weights (`rows x k`, i8) packed in panels of `height` rows: per
+/// panel and quad of k, each row's four bytes. `MR` rows for `product_on`'s
+/// tile (one broadcast a row), `LANES` for `pixel_rows` (one register a
+/// quad, a row a lane).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Weights {
     pub rows: usize,
     pub k: usize,
+    height: usize,
     data: Vec<u32>,
     /// Each row's sum of weights, for the +128 correction.
     pub row_sums: Vec<i32>,
@@ -42,21 +46,28 @@ fn quad(bytes: [u8; 4]) -> u32 {
 }
 
 impl Weights {
-    /// `values` is row-major `rows x k` (one row per output channel).
+    /// `values` is row-major `rows x k` (one row per output channel),
+    /// packed for `product_on`.
     pub fn pack(values: &[i8], rows: usize, k: usize) -> Weights {
+        Weights::pack_in(values, rows, k, MR)
+    }
+
+    /// Packed in panels of `height` rows.
+    pub fn pack_in(values: &[i8], rows: usize, k: usize, height: usize) -> Weights {
         assert_eq!(values.len(), rows * k, "udot::Weights: {} values for {rows}x{k}", values.len());
         let k4 = k.div_ceil(4);
-        let mut data = vec![0u32; rows.div_ceil(MR) * k4 * MR];
+        let mut data = vec![0u32; rows.div_ceil(height) * k4 * height];
         for r in 0..rows {
             let row = &values[r * k..(r + 1) * k];
             for q in 0..k4 {
                 let byte = |t: usize| row.get(4 * q + t).map_or(0, |&v| v as u8);
-                data[((r / MR) * k4 + q) * MR + r % MR] = quad([byte(0), byte(1), byte(2), byte(3)]);
+                data[((r / height) * k4 + q) * height + r % height] =
+                    quad([byte(0), byte(1), byte(2), byte(3)]);
             }
         }
         let row_sums =
             values.chunks(k.max(1)).take(rows).map(|r| r.iter().map(|&v| v as i32).sum()).collect();
-        Weights { rows, k, data, row_sums }
+        Weights { rows, k, height, data, row_sums }
     }
 
     /// What each output channel's sum must lose: `(128 + zx) * sum(w)`,
@@ -67,19 +78,9 @@ impl Weights {
     }
 
     fn panel(&self, p: usize) -> &[u32] {
-        let len = self.k.div_ceil(4) * MR;
+        let len = self.k.div_ceil(4) * self.height;
         &self.data[p * len..(p + 1) * len]
     }
-}
-
-/// The weights for the channels-in-lanes tile (`pixel_rows`): per block of
-/// 16 output channels and quad of k, each channel's four bytes, so one
-/// 512-bit load holds a quad for 16 channels.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChannelWeights {
-    pub rows: usize,
-    pub k: usize,
-    data: Vec<u32>,
 }
 
 /// Output channels in one register of the channels-in-lanes tile.
@@ -87,71 +88,15 @@ pub const LANES: usize = 16;
 /// Pixels of one channels-in-lanes tile.
 pub const PIXELS: usize = 8;
 
-impl ChannelWeights {
-    /// `values` is row-major `rows x k` (one row per output channel).
-    pub fn pack(values: &[i8], rows: usize, k: usize) -> ChannelWeights {
-        assert_eq!(values.len(), rows * k, "udot::ChannelWeights: {} values for {rows}x{k}", values.len());
-        let k4 = k.div_ceil(4);
-        let mut data = vec![0u32; rows.div_ceil(LANES) * k4 * LANES];
-        for r in 0..rows {
-            for q in 0..k4 {
-                let byte = |t: usize| {
-                    values.get(r * k + 4 * q + t).filter(|_| 4 * q + t < k).map_or(0, |&v| v as u8)
-                };
-                data[((r / LANES) * k4 + q) * LANES + r % LANES] = quad([byte(0), byte(1), byte(2), byte(3)]);
-            }
-        }
-        ChannelWeights { rows, k, data }
-    }
-
-    fn block(&self, b: usize) -> &[u32] {
-        let len = self.k.div_ceil(4) * LANES;
-        &self.data[b * len..(b + 1) * len]
-    }
-}
-
-/// How `pixel_rows` computes a tile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PixelKernel {
-    /// The reference the tests compare the others with; no op runs it.
-    Portable,
-    /// One zmm per pixel row.
-    #[cfg(target_arch = "x86_64")]
-    Avx512Vnni,
-    /// Two ymm per pixel row, four rows at a time (AVX-VNNI: the Alder
-    /// Lake-N class, no AVX-512).
-    #[cfg(target_arch = "x86_64")]
-    AvxVnni,
-}
-
-impl PixelKernel {
-    /// Those this host runs, fastest first; empty where there is none.
-    pub fn available() -> Vec<PixelKernel> {
-        #[allow(unused_mut)] // pushed to only on x86-64
-        let mut kernels = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if super::cpu::avx512().is_some_and(|a| a.vnni) {
-                kernels.push(PixelKernel::Avx512Vnni);
-            }
-            if std::is_x86_feature_detected!("avxvnni") {
-                kernels.push(PixelKernel::AvxVnni);
-            }
-        }
-        kernels
-    }
-
-    /// The best one here, found once.
-    pub fn best() -> Option<PixelKernel> {
-        static BEST: std::sync::OnceLock<Option<PixelKernel>> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| PixelKernel::available().first().copied())
-    }
-}
-
-/// Whether `pixel_rows` has a vector tile here (elsewhere only a portable
-/// loop, for the tests): what makes a pointwise layer write channels-last.
+/// Whether `pixel_rows` has a vector tile here (the x86-64 byte tiles have
+/// one; elsewhere it runs a portable loop, for the tests): what makes a
+/// pointwise layer write channels-last.
 pub fn pixel_rows_fast() -> bool {
-    PixelKernel::best().is_some()
+    #[cfg(target_arch = "x86_64")]
+    if matches!(TileKernel::best(), Some(TileKernel::Avx512Vnni | TileKernel::AvxVnni)) {
+        return true;
+    }
+    false
 }
 
 /// `weights x pixels` the other way round from `product_on`: output
@@ -164,48 +109,50 @@ pub fn pixel_rows_fast() -> bool {
 /// AVX-512 VNNI: one load of 16 channels' quad, one broadcast of a pixel's
 /// quad, one `vpdpbusd` per pixel.
 pub fn pixel_rows(
-    weights: &ChannelWeights,
+    weights: &Weights,
     x: &[u8],
     stride: usize,
     pixels: usize,
     emit: impl FnMut(usize, usize, &[i32; PIXELS * LANES]),
 ) {
-    pixel_rows_on(PixelKernel::best().unwrap_or(PixelKernel::Portable), weights, x, stride, pixels, emit)
+    pixel_rows_on(TileKernel::best().unwrap_or(TileKernel::Portable), weights, x, stride, pixels, emit)
 }
 
-/// `pixel_rows` on `kernel` (the tests run each).
+/// `pixel_rows` with `kernel`'s channels-in-lanes form (the tests run
+/// each), the portable loop for a kernel without one.
 fn pixel_rows_on(
-    kernel: PixelKernel,
-    weights: &ChannelWeights,
+    kernel: TileKernel,
+    weights: &Weights,
     x: &[u8],
     stride: usize,
     pixels: usize,
     mut emit: impl FnMut(usize, usize, &[i32; PIXELS * LANES]),
 ) {
     let k4 = weights.k.div_ceil(4);
+    assert!(weights.height == LANES, "pixel_rows: weights in panels of {} rows", weights.height);
     assert!(pixels == 0 || x.len() >= (pixels - 1) * stride + 4 * k4);
     let mut tile = [0i32; PIXELS * LANES];
     for p0 in (0..pixels).step_by(PIXELS) {
         let live = PIXELS.min(pixels - p0);
         for block in 0..weights.rows.div_ceil(LANES) {
-            let w = weights.block(block);
+            let w = weights.panel(block);
             // SAFETY: a kernel is chosen only where the host has its
-            // features (`PixelKernel::available`); the assert bounds the
+            // features (`TileKernel::available`); the assert bounds the
             // reads of the live pixels.
             match kernel {
                 #[cfg(target_arch = "x86_64")]
-                PixelKernel::Avx512Vnni => {
+                TileKernel::Avx512Vnni => {
                     unsafe { pixel_tile_avx512(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
                     emit(p0, block * LANES, &tile);
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                PixelKernel::AvxVnni => {
+                TileKernel::AvxVnni => {
                     unsafe { pixel_tile_avx_vnni(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
                     emit(p0, block * LANES, &tile);
                     continue;
                 }
-                PixelKernel::Portable => {}
+                _ => {}
             }
             tile.fill(0);
             for p in 0..live {
@@ -801,8 +748,8 @@ mod tests {
             let w: Vec<i8> = (0..m * k).map(|_| rng.i8(..)).collect();
             let mut x: Vec<u8> = (0..n * k).map(|_| rng.u8(..)).collect();
             x.extend([0u8; 4]);
-            let weights = ChannelWeights::pack(&w, m, k);
-            for kernel in [PixelKernel::Portable].into_iter().chain(PixelKernel::available()) {
+            let weights = Weights::pack_in(&w, m, k, LANES);
+            for kernel in [TileKernel::Portable].into_iter().chain(TileKernel::available()) {
                 let mut got = vec![0i32; n * m];
                 pixel_rows_on(kernel, &weights, &x, k, n, |p0, c0, tile| {
                     for p in 0..PIXELS.min(n - p0) {
