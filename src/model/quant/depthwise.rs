@@ -404,10 +404,14 @@ impl QDepthwise {
             }
             return Ok(());
         }
-        let (mut plane, mut last) = (Vec::new(), vec![0i8; pixels * self.packed.channels]);
+        // Channels-last with whole blocks, the output is written in place;
+        // otherwise through `last`, `pixels x packed.channels`.
+        let direct = channels_last && self.packed.channels == g.in_channels;
+        let (mut plane, mut last) =
+            (Vec::new(), vec![0i8; if direct { 0 } else { pixels * self.packed.channels }]);
         for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.in_channels * pixels)) {
             self.widen_channels_last(image, &mut plane);
-            if channels_last && self.packed.channels == g.in_channels {
+            if direct {
                 self.convolve(&plane, [oh, ow], y);
                 continue;
             }
