@@ -2,9 +2,11 @@
 # The integer ops on arm64: their property tests against the scalar
 # references, and the MLPerf Tiny agreement test, built for
 # aarch64-unknown-linux-musl and run under qemu-user. There the products
-# run on tract-linalg's NEON kernels (the AVX2 kernel is x86-64 only) and
-# depthwise convolutions on our NEON kernel, so this is what proves those
-# paths bit-exact. Correctness only: timing under qemu means nothing.
+# run on our byte tiles (`sdot`, and I8MM's `usmmla` and `sudot`: qemu
+# has both, and the property tests run each) or tract-linalg's NEON
+# kernels, and depthwise convolutions on our NEON kernel, so this is what
+# proves those paths bit-exact. Correctness only: timing under qemu means
+# nothing.
 #
 #   cross/test-arm64.sh
 #

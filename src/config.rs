@@ -637,13 +637,14 @@ const ENV_PREFIX: &str = "EDGEINFER_";
 /// Variables that are not config keys: the command line's own (`--config`,
 /// `--log`) and the int8 kernel switches (docs/MODELS.md, "INT8 models"), which
 /// the ops read when a model loads.
-const NOT_KEYS: [&str; 6] = [
+const NOT_KEYS: [&str; 7] = [
     "EDGEINFER_CONFIG",
     "EDGEINFER_LOG",
     "EDGEINFER_LOG_FORMAT",
     "EDGEINFER_INT8_OPS",
     "EDGEINFER_INT8_GEMM",
     "EDGEINFER_AVX512",
+    "EDGEINFER_VNNI",
 ];
 
 impl ConfigError {
@@ -1300,8 +1301,12 @@ mod tests {
         let err = Config::load_with_env(None, env(&[("EDGEINFER_NOPE", "1")])).unwrap_err();
         assert!(err.to_string().contains("EDGEINFER_<SECTION>__<KEY>"), "{err}");
         // The int8 kernel switches are not config keys: a node starts with them set.
-        let switches =
-            [("EDGEINFER_INT8_OPS", "off"), ("EDGEINFER_AVX512", "off"), ("EDGEINFER_INT8_GEMM", "ours")];
+        let switches = [
+            ("EDGEINFER_INT8_OPS", "off"),
+            ("EDGEINFER_AVX512", "off"),
+            ("EDGEINFER_VNNI", "off"),
+            ("EDGEINFER_INT8_GEMM", "ours"),
+        ];
         assert_eq!(
             Config::load_with_env(None, env(&switches)).unwrap(),
             Config::load_with_env(None, env(&[])).unwrap()

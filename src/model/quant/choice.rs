@@ -239,7 +239,8 @@ fn fixed() -> Option<Kernel> {
 /// What a measurement depends on: the CPU (vendor, family, model,
 /// stepping and feature words from `cpuid`, or the arm64 identification
 /// and features) and the kernels each side would run here, which also
-/// changes with `EDGEINFER_AVX512` and with a build whose kernels differ.
+/// changes with `EDGEINFER_AVX512`, `EDGEINFER_VNNI` and with a build whose
+/// kernels differ.
 fn cpu_signature() -> String {
     static SIGNATURE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SIGNATURE
@@ -247,7 +248,9 @@ fn cpu_signature() -> String {
             let tract = super::gemm::Weights::new(&[0; 64 * 64], 64, 64, Some(128))
                 .map(|w| w.kernel_name())
                 .unwrap_or_default();
-            format!("{}; ours {}; tract {tract}", cpu_identity(), super::igemm::TileKernel::best().name())
+            let bytes = super::udot::TileKernel::best().map_or("no byte tile", |k| k.name());
+            let ours = super::igemm::TileKernel::best().name();
+            format!("{}; ours {ours}, {bytes}; tract {tract}", cpu_identity())
         })
         .clone()
 }

@@ -84,6 +84,27 @@ impl QConv {
         Ok(op)
     }
 
+    /// On our i16 tile whatever the host has (a host whose byte tile
+    /// lacks a dot product runs channels-first layers there).
+    #[cfg(test)]
+    pub(super) fn on_i16_tile(spec: ConvSpec) -> TractResult<QConv> {
+        let mut op = QConv::build(spec, true)?;
+        let (backend, offsets) = QConv::i16_backend(&op.spec)?;
+        (op.backend, op.offsets) = (backend, Arc::new(offsets));
+        Ok(op)
+    }
+
+    fn i16_backend(spec: &ConvSpec) -> TractResult<(Backend, Vec<i32>)> {
+        let g = spec.geometry;
+        let left =
+            igemm::Left::pack(&spec.weights, g.out_channels, g.patch_len(), 4, |c| per(&spec.weight_zero, c));
+        let layout = PatchLayout::new(&g, igemm::NR)?;
+        Ok((
+            Backend::Ours(Arc::new(left), Arc::new(layout)),
+            (0..g.out_channels).map(|c| per(&spec.bias, c)).collect(),
+        ))
+    }
+
     fn bytes_backend(spec: &ConvSpec, kernel: udot::TileKernel) -> TractResult<(Backend, Vec<i32>)> {
         let g = spec.geometry;
         let weights = udot::Weights::pack(&spec.weights, g.out_channels, g.patch_len());
@@ -103,17 +124,14 @@ impl QConv {
             let weights = Weights::new(&spec.weights, g.out_channels, k, Some(oh * ow))?;
             let offsets = weights.offsets(&spec.bias, &spec.weight_zero, zx);
             (Backend::Tract(Arc::new(weights)), offsets)
-        } else if let (Some(kernel), false) =
-            (udot::TileKernel::best(), spec.weight_zero.iter().any(|&z| z != 0))
-        {
+        } else if let (Some(kernel), true, false) = (
+            udot::TileKernel::best(),
+            udot::TileKernel::best().is_some_and(udot::TileKernel::dot_product),
+            spec.weight_zero.iter().any(|&z| z != 0),
+        ) {
             QConv::bytes_backend(&spec, kernel)?
         } else {
-            let left = igemm::Left::pack(&spec.weights, g.out_channels, k, 4, |c| per(&spec.weight_zero, c));
-            let layout = PatchLayout::new(&g, igemm::NR)?;
-            (
-                Backend::Ours(Arc::new(left), Arc::new(layout)),
-                (0..g.out_channels).map(|c| per(&spec.bias, c)).collect(),
-            )
+            QConv::i16_backend(&spec)?
         };
         let multipliers = multipliers(&spec.input, &spec.weight_scale, &spec.output, g.out_channels);
         let any_weight_zero = spec.weight_zero.iter().any(|&z| z != 0);
@@ -138,16 +156,29 @@ impl QConv {
     }
 
     /// This op reading its input channels-last, where it can: a pointwise
-    /// convolution on the byte tile, whose packing then loads a pixel's
-    /// channels four at a time instead of transposing.
+    /// convolution on the byte tile (or on our i16 tile where the byte tile
+    /// lacks a dot product, then moved to it), whose packing then loads a
+    /// pixel's channels four at a time instead of transposing.
     pub fn taking_channels_last(&self) -> Option<QConv> {
-        let bytes = matches!(self.backend, Backend::Bytes(..));
-        (bytes && self.spec.geometry.is_pointwise())
-            .then(|| QConv { input_layout: Layout::ChannelsLast, ..self.clone() })
+        if !self.spec.geometry.is_pointwise() {
+            return None;
+        }
+        let mut op = QConv { input_layout: Layout::ChannelsLast, ..self.clone() };
+        match (&self.backend, udot::TileKernel::best()) {
+            (Backend::Bytes(..), _) => Some(op),
+            // Our i16 tile, where the byte tile lacks a dot product (AVX2
+            // alone): the byte tile then, for what the hand-off saves.
+            (Backend::Ours(..), Some(kernel)) if !self.any_weight_zero => {
+                let (backend, offsets) = QConv::bytes_backend(&self.spec, kernel).ok()?;
+                (op.backend, op.offsets) = (backend, Arc::new(offsets));
+                Some(op)
+            }
+            _ => None,
+        }
     }
 
     /// This op, already reading channels-last, also writing channels-last,
-    /// where the host has the channels-in-lanes tile (AVX-512 VNNI): each
+    /// where the host has the channels-in-lanes tile (any byte tile): each
     /// tile row is one pixel's 16 output channels, stored as they are.
     pub fn giving_channels_last(&self) -> Option<QConv> {
         if self.input_layout != Layout::ChannelsLast || !udot::pixel_rows_fast() {

@@ -26,8 +26,19 @@ pub fn avx512() -> Option<Avx512> {
         let usable = std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx512bw")
             && std::env::var("EDGEINFER_AVX512").as_deref() != Ok("off");
-        usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") })
+        usable.then(|| Avx512 { vnni: std::is_x86_feature_detected!("avx512vnni") && vnni() })
     })
+}
+
+/// Whether our kernels may use the dot-product instructions (AVX-512 VNNI,
+/// AVX-VNNI), unless `EDGEINFER_VNNI=off` asks for the plain AVX2 (or
+/// AVX-512) kernels: with `EDGEINFER_AVX512=off` as well, this host runs
+/// our kernels as an AVX2-only one (Zen 2 and 3, Skylake) would, to
+/// measure that path. tract-linalg's kernels keep their own dispatch.
+#[cfg(target_arch = "x86_64")]
+pub fn vnni() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("EDGEINFER_VNNI").as_deref() != Ok("off"))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -132,6 +132,16 @@ pub fn rewrite(
         }
     }
     done.channels_last = channels_last_handoffs(model)?;
+    // A hand-off may move a layer to another tile (AVX2 alone: the byte
+    // tile): what `models profile` names is what runs.
+    for node in model.nodes() {
+        let (Some(conv), Some(layer)) = (node.op_as::<conv::QConv>(), node.name.strip_suffix(".int8")) else {
+            continue;
+        };
+        if let Some(choice) = chooser.made.iter_mut().find(|c| c.layer == layer) {
+            choice.name = conv.kernel_name();
+        }
+    }
     Ok(done)
 }
 

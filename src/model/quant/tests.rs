@@ -274,6 +274,16 @@ proptest! {
                 prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want_last, "channels-last out, {:?}", spec.geometry);
             }
         }
+        // On the i16 tile (a host whose byte tile lacks a dot product), a
+        // layer taking channels-last moves to the byte tile.
+        let op = QConv::on_i16_tile(spec.clone()).unwrap();
+        prop_assert!(op.kernel_name().contains("i16x2"), "{}", op.kernel_name());
+        prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "i16 tile, {:?}", spec.geometry);
+        if let Some(best) = super::udot::TileKernel::best() {
+            let op = op.taking_channels_last().expect("a pointwise layer with a byte tile here reads channels-last");
+            prop_assert_eq!(op.kernel_name(), best.name());
+            prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want, "from the i16 tile, {:?}", spec.geometry);
+        }
     }
 
     /// The float depthwise op against the definition summed in f64: within

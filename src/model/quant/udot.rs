@@ -4,6 +4,12 @@
 //! four unsigned bytes by four signed bytes per 32-bit lane and adds the
 //! four products to the lane: twice the multiply-adds per instruction of
 //! the i16 tile (`igemm.rs`, `vpdpwssd`), and half the bytes to pack.
+//! arm64 has `sdot` and I8MM's `usmmla` and `sudot`. AVX2 alone has no such
+//! instruction; its form splits each quad into two i16 pairs for
+//! `vpmaddwd`. On channels-first layers it is no faster than the i16 tile
+//! (ic's ranged from 20% faster to 25% slower), so it runs only where the
+//! hand-offs to and from depthwise layers save their passes
+//! (`QConv::taking_channels_last`).
 //!
 //! The activations are the unsigned side: an i8 value x is stored as
 //! `u = x + 128` (its top bit flipped), so each sum carries `128 * sum(w)`
@@ -88,15 +94,12 @@ pub const LANES: usize = 16;
 /// Pixels of one channels-in-lanes tile.
 pub const PIXELS: usize = 8;
 
-/// Whether `pixel_rows` has a vector tile here (the x86-64 byte tiles have
-/// one; elsewhere it runs a portable loop, for the tests): what makes a
+/// Whether `pixel_rows` has a vector tile here (each byte tile has one;
+/// elsewhere it runs a portable loop, for the tests): what makes a
 /// pointwise layer write channels-last.
 pub fn pixel_rows_fast() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(TileKernel::best(), Some(TileKernel::Avx512Vnni | TileKernel::AvxVnni)) {
-        return true;
-    }
-    false
+    // Every byte tile has a channels-in-lanes form.
+    TileKernel::best().is_some()
 }
 
 /// `weights x pixels` the other way round from `product_on`: output
@@ -107,7 +110,8 @@ pub fn pixel_rows_fast() -> bool {
 /// to `emit(pixel, channel, tile)` (`tile[p * LANES + c]`; rows past the
 /// last pixel and lanes past the last channel hold nothing meaningful).
 /// AVX-512 VNNI: one load of 16 channels' quad, one broadcast of a pixel's
-/// quad, one `vpdpbusd` per pixel.
+/// quad, one `vpdpbusd` per pixel; arm64: a dot product by element per
+/// quad of a register holding four of the pixel's quads.
 pub fn pixel_rows(
     weights: &Weights,
     x: &[u8],
@@ -152,6 +156,28 @@ fn pixel_rows_on(
                     emit(p0, block * LANES, &tile);
                     continue;
                 }
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::Avx2 => {
+                    unsafe { pixel_tile_avx2(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
+                    emit(p0, block * LANES, &tile);
+                    continue;
+                }
+                #[cfg(target_arch = "aarch64")]
+                TileKernel::NeonI8mm => {
+                    unsafe { neon::pixel_tile_sudot(w, &x[p0 * stride..], stride, k4, live, &mut tile) };
+                    emit(p0, block * LANES, &tile);
+                    continue;
+                }
+                #[cfg(target_arch = "aarch64")]
+                TileKernel::NeonDot => {
+                    // `sdot` sums (u - 128) * w: each lane starts 128 * sum(w) up.
+                    let start =
+                        std::array::from_fn(|c| 128 * weights.row_sums.get(block * LANES + c).unwrap_or(&0));
+                    let x = &x[p0 * stride..];
+                    unsafe { neon::pixel_tile_sdot(w, x, stride, k4, live, start, &mut tile) };
+                    emit(p0, block * LANES, &tile);
+                    continue;
+                }
                 _ => {}
             }
             tile.fill(0);
@@ -166,6 +192,92 @@ fn pixel_rows_on(
                 }
             }
             emit(p0, block * LANES, &tile);
+        }
+    }
+}
+
+/// Quad `q` of the 16 lanes' weights in two ymm, each as its even and odd
+/// bytes widened to i16 pairs (`[even0, odd0, even1, odd1]`) for `vpmaddwd`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn lane_weights_avx2(w: &[u32], q: usize) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let at = &w[q * LANES..(q + 1) * LANES];
+    // SAFETY: 16 u32 of the block.
+    let [w0, w1] = [0, 8].map(|h| unsafe { _mm256_loadu_si256(at.as_ptr().add(h) as *const __m256i) });
+    let [e0, o0] = split_signed(w0);
+    let [e1, o1] = split_signed(w1);
+    [e0, o0, e1, o1]
+}
+
+/// Each 32-bit lane's four signed bytes as two i16 pairs: bytes 0 and 2,
+/// bytes 1 and 3.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn split_signed(v: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    [_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(v, 8)]
+}
+
+/// Each 32-bit lane's four unsigned bytes as two i16 pairs, as
+/// `split_signed` pairs them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn split_unsigned(v: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256i; 2] {
+    use std::arch::x86_64::*;
+    [_mm256_and_si256(v, _mm256_set1_epi32(0x00ff_00ff)), _mm256_srli_epi16(v, 8)]
+}
+
+/// `acc + u * w` over a quad, from the two halves `split_*` made: a sum of
+/// two products of a byte and a signed byte is at most 65,280 in
+/// magnitude, so `vpmaddwd` is exact.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn dot_split(
+    acc: std::arch::x86_64::__m256i,
+    [ue, uo]: [std::arch::x86_64::__m256i; 2],
+    [we, wo]: [std::arch::x86_64::__m256i; 2],
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, we), _mm256_madd_epi16(uo, wo)))
+}
+
+/// The channels-in-lanes tile on AVX2 alone: as `pixel_tile_avx_vnni`,
+/// each `vpdpbusd` two `vpmaddwd` on the quads' even and odd bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pixel_tile_avx2(
+    w: &[u32],
+    x: &[u8],
+    stride: usize,
+    k4: usize,
+    live: usize,
+    tile: &mut [i32; PIXELS * LANES],
+) {
+    use std::arch::x86_64::*;
+    for half in 0..2 {
+        let mut acc = [[_mm256_setzero_si256(); 2]; PIXELS / 2];
+        // Rows past the live pixels read the last live one again.
+        let rows: [usize; PIXELS / 2] =
+            std::array::from_fn(|p| (half * PIXELS / 2 + p).min(live - 1) * stride);
+        for q in 0..k4 {
+            let [e0, o0, e1, o1] = lane_weights_avx2(w, q);
+            for (acc, &row) in acc.iter_mut().zip(&rows) {
+                // SAFETY: quad q of each live pixel (the caller checks x's
+                // length).
+                let u = unsafe { (x.as_ptr().add(row + 4 * q) as *const i32).read_unaligned() };
+                let u = split_unsigned(_mm256_set1_epi32(u));
+                acc[0] = dot_split(acc[0], u, [e0, o0]);
+                acc[1] = dot_split(acc[1], u, [e1, o1]);
+            }
+        }
+        for (p, acc) in acc.iter().enumerate() {
+            let at = (half * PIXELS / 2 + p) * LANES;
+            // SAFETY: row half * 4 + p of the tile, 16 i32.
+            unsafe {
+                _mm256_storeu_si256(tile.as_mut_ptr().add(at) as *mut __m256i, acc[0]);
+                _mm256_storeu_si256(tile.as_mut_ptr().add(at + 8) as *mut __m256i, acc[1]);
+            }
         }
     }
 }
@@ -416,7 +528,7 @@ unsafe fn interleave_quads_every_other(out: &mut [u32], rows: [&[u8]; 4]) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TileKernel {
     /// The reference the tests compare the others with; no op runs it (a
-    /// host without a byte dot product runs the i16 tile instead).
+    /// host without AVX2 or a byte dot product runs the i16 tile instead).
     #[cfg_attr(not(test), allow(dead_code))]
     Portable,
     /// One zmm per row of the tile.
@@ -425,6 +537,11 @@ pub enum TileKernel {
     /// Two ymm per row of the tile (AVX-VNNI, no AVX-512 needed).
     #[cfg(target_arch = "x86_64")]
     AvxVnni,
+    /// AVX2 alone: each quad as two i16 pairs (its even and odd bytes),
+    /// `vpmaddwd` on each, so AVX2-only hosts (Zen 2 and 3, Skylake) share
+    /// the byte packing and the channels-last paths.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
     /// Armv8.2 `sdot` (signed x signed), four columns a register: the
     /// bytes flipped back to i8, each row started at `128 * sum(w)`.
     #[cfg(target_arch = "aarch64")]
@@ -436,8 +553,8 @@ pub enum TileKernel {
 }
 
 impl TileKernel {
-    /// The byte dot-product kernels this host can run, fastest first;
-    /// empty where it has none (the op then uses the i16 tile).
+    /// The byte tiles this host can run, fastest first; empty where it has
+    /// none (the op then uses the i16 tile).
     pub fn available() -> Vec<TileKernel> {
         #[allow(unused_mut)] // pushed to only on x86-64 and arm64
         let mut kernels = Vec::new();
@@ -455,14 +572,30 @@ impl TileKernel {
             if super::cpu::avx512().is_some_and(|a| a.vnni) {
                 kernels.push(TileKernel::Avx512Vnni);
             }
-            if std::is_x86_feature_detected!("avxvnni") {
+            if std::is_x86_feature_detected!("avxvnni") && super::cpu::vnni() {
                 kernels.push(TileKernel::AvxVnni);
+            }
+            if super::cpu::avx2() {
+                kernels.push(TileKernel::Avx2);
             }
         }
         kernels
     }
 
-    /// The best one here, found once; `None` without a byte dot product.
+    /// Whether this tile has a dot-product instruction of bytes. AVX2
+    /// alone does not, and on channels-first layers the i16 tile
+    /// (`igemm.rs`) is as fast there, on some faster (one of ic's: 41
+    /// against 51 us), so those layers stay on it.
+    pub fn dot_product(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == TileKernel::Avx2 {
+            return false;
+        }
+        self != TileKernel::Portable
+    }
+
+    /// The best one here, found once; `None` without AVX2 or a byte dot
+    /// product.
     pub fn best() -> Option<TileKernel> {
         static BEST: std::sync::OnceLock<Option<TileKernel>> = std::sync::OnceLock::new();
         *BEST.get_or_init(|| TileKernel::available().first().copied())
@@ -475,6 +608,8 @@ impl TileKernel {
             TileKernel::Avx512Vnni => "edgeinfer avx512 vnni u8xs8",
             #[cfg(target_arch = "x86_64")]
             TileKernel::AvxVnni => "edgeinfer avx-vnni u8xs8",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => "edgeinfer avx2 u8xs8",
             #[cfg(target_arch = "aarch64")]
             TileKernel::NeonDot => "edgeinfer neon sdot u8xs8",
             #[cfg(target_arch = "aarch64")]
@@ -509,6 +644,8 @@ pub fn product_on(
                 },
                 #[cfg(target_arch = "x86_64")]
                 TileKernel::AvxVnni => unsafe { avx_vnni_tile(a, b, k4, &mut tile) },
+                #[cfg(target_arch = "x86_64")]
+                TileKernel::Avx2 => unsafe { avx2_tile(a, b, k4, &mut tile) },
                 #[cfg(target_arch = "aarch64")]
                 TileKernel::NeonDot => unsafe {
                     // `sdot` sums (u - 128) * w: each row starts 128 * sum(w) up.
@@ -532,7 +669,7 @@ pub fn product_on(
 /// in `asm!`: their intrinsics are not stable Rust.
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::{MR, NR};
+    use super::{LANES, MR, NR, PIXELS};
     use std::arch::aarch64::*;
 
     /// `acc += dot(b, a[LANE])` per 32-bit lane, with `$op` (`sdot` or
@@ -639,6 +776,99 @@ mod neon {
         }
     }
 
+    /// The channels-in-lanes tile (`pixel_rows`) by dot products by
+    /// element, four pixels at a time (16 accumulators): per pixel one
+    /// register of four quads of its bytes, per quad the block's 16
+    /// channels' weights in four registers, a channel a lane. `$op` is
+    /// `sudot` (I8MM: signed weights by unsigned bytes) or `sdot` (bytes
+    /// flipped back to i8 by `$flip`, lanes started at `$start`).
+    macro_rules! pixel_tile {
+        ($op:literal, $w:ident, $x:ident, $stride:ident, $k4:ident, $live:ident, $start:expr, $flip:expr, $tile:ident) => {{
+            const HALF: usize = PIXELS / 2;
+            assert!($w.len() >= $k4 * LANES);
+            for half in 0..2 {
+                let mut acc: [[int32x4_t; 4]; HALF] = [$start; HALF];
+                // Rows past the live pixels read the last live one again.
+                let rows: [usize; HALF] = std::array::from_fn(|p| (half * HALF + p).min($live - 1) * $stride);
+                for q in (0..$k4).step_by(4) {
+                    let quads = 4.min($k4 - q);
+                    // SAFETY: quads q.. of each live pixel (the caller checks
+                    // x's length; a short group is copied out first) and of
+                    // the block (asserted); the host has the instruction
+                    // (the target feature).
+                    unsafe {
+                        let bytes: [int8x16_t; HALF] = std::array::from_fn(|p| {
+                            let at = rows[p] + 4 * q;
+                            let mut short = [0u8; 16];
+                            let v = match quads {
+                                4 => vld1q_u8($x.as_ptr().add(at)),
+                                _ => {
+                                    short[..4 * quads].copy_from_slice(&$x[at..at + 4 * quads]);
+                                    vld1q_u8(short.as_ptr())
+                                }
+                            };
+                            vreinterpretq_s8_u8(veorq_u8(v, $flip))
+                        });
+                        macro_rules! quad {
+                            ($lane:literal, $l:literal) => {
+                                if $l < quads {
+                                    let w: [int8x16_t; 4] = std::array::from_fn(|g| {
+                                        vld1q_s8($w.as_ptr().add((q + $l) * LANES + 4 * g) as *const i8)
+                                    });
+                                    for (acc, &b) in acc.iter_mut().zip(&bytes) {
+                                        for (acc, &w) in acc.iter_mut().zip(&w) {
+                                            dot_by_element!($op, *acc, w, b, $lane);
+                                        }
+                                    }
+                                }
+                            };
+                        }
+                        quad!("0", 0);
+                        quad!("1", 1);
+                        quad!("2", 2);
+                        quad!("3", 3);
+                    }
+                }
+                for (p, acc) in acc.iter().enumerate() {
+                    for (g, &v) in acc.iter().enumerate() {
+                        // SAFETY: four i32 of row half * HALF + p of the tile.
+                        unsafe { vst1q_s32($tile.as_mut_ptr().add((half * HALF + p) * LANES + 4 * g), v) };
+                    }
+                }
+            }
+        }};
+    }
+
+    /// `pixel_tile!` with I8MM's `sudot`: u8 x s8 as the x86 tiles.
+    #[target_feature(enable = "neon,i8mm")]
+    pub(super) unsafe fn pixel_tile_sudot(
+        w: &[u32],
+        x: &[u8],
+        stride: usize,
+        k4: usize,
+        live: usize,
+        tile: &mut [i32; PIXELS * LANES],
+    ) {
+        pixel_tile!("sudot", w, x, stride, k4, live, [vdupq_n_s32(0); 4], vdupq_n_u8(0), tile)
+    }
+
+    /// `pixel_tile!` with `sdot`: the bytes flipped back, each lane started
+    /// at `start` (128 * its channel's sum of weights).
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn pixel_tile_sdot(
+        w: &[u32],
+        x: &[u8],
+        stride: usize,
+        k4: usize,
+        live: usize,
+        start: [i32; LANES],
+        tile: &mut [i32; PIXELS * LANES],
+    ) {
+        // SAFETY: four i32 of the 16.
+        let start = std::array::from_fn(|g| unsafe { vld1q_s32(start.as_ptr().add(4 * g)) });
+        pixel_tile!("sdot", w, x, stride, k4, live, start, vdupq_n_u8(0x80), tile)
+    }
+
     /// Row `i`'s four registers to `tile[i * NR..]`, columns in order.
     fn store(acc: &[[int32x4_t; 4]; MR], tile: &mut [i32; MR * NR]) {
         for (row, out) in acc.iter().zip(tile.chunks_exact_mut(NR)) {
@@ -685,6 +915,34 @@ unsafe fn avx_vnni_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * N
         for (i, row) in acc.iter().enumerate() {
             _mm256_storeu_si256(out.add(i * NR) as *mut __m256i, row[0]);
             _mm256_storeu_si256(out.add(i * NR + 8) as *mut __m256i, row[1]);
+        }
+    }
+}
+
+/// On AVX2 alone: as `avx_vnni_tile`, each `vpdpbusd` two `vpmaddwd` on
+/// the quads' even and odd bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2_tile(a: &[u32], b: &[u32], k4: usize, tile: &mut [i32; MR * NR]) {
+    use std::arch::x86_64::*;
+    assert!(a.len() >= k4 * MR && b.len() >= k4 * NR);
+    let mut acc = [[_mm256_setzero_si256(); 2]; MR];
+    for q in 0..k4 {
+        // SAFETY: quad q of both panels, inside the slices (asserted).
+        let [u0, u1] =
+            [0, 8].map(|h| unsafe { _mm256_loadu_si256(b.as_ptr().add(q * NR + h) as *const __m256i) });
+        let (u0, u1) = (split_unsigned(u0), split_unsigned(u1));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let w = split_signed(_mm256_set1_epi32(a[q * MR + i] as i32));
+            row[0] = dot_split(row[0], u0, w);
+            row[1] = dot_split(row[1], u1, w);
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        // SAFETY: row i of the tile, 16 i32.
+        unsafe {
+            _mm256_storeu_si256(tile.as_mut_ptr().add(i * NR) as *mut __m256i, row[0]);
+            _mm256_storeu_si256(tile.as_mut_ptr().add(i * NR + 8) as *mut __m256i, row[1]);
         }
     }
 }
