@@ -34,6 +34,7 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub cache: CacheConfig,
     pub capture: CaptureConfig,
+    pub feedback: FeedbackConfig,
     pub control: ControlConfig,
     pub site: SiteConfig,
     /// Per-model settings, keyed by model name.
@@ -414,6 +415,31 @@ pub struct CaptureConfig {
     /// The file holds at most this many bytes; capture stops at either
     /// bound (move the file away and restart to capture more).
     pub max_bytes: u64,
+}
+
+/// `[feedback]`: field feedback on `PREFIX/feedback`, `PREFIX/NODE/feedback`
+/// and `POST /v2/feedback`, joined with the answer the node gave to that
+/// request id. Each answer is kept (id, model, version, label, confidence,
+/// tier, config) for `window_s`, within `max_entries` and `max_bytes`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FeedbackConfig {
+    /// Keep answers and take feedback; off: the topics are not subscribed
+    /// and `POST /v2/feedback` answers `invalid_payload` naming this key.
+    pub enabled: bool,
+    /// How long an answer waits for its feedback, in seconds.
+    pub window_s: u64,
+    /// At most this many answers are kept; past it the oldest goes.
+    pub max_entries: u64,
+    /// At most this many bytes of answers are kept (about 200 bytes each);
+    /// past it the oldest goes.
+    pub max_bytes: u64,
+}
+
+impl Default for FeedbackConfig {
+    fn default() -> Self {
+        FeedbackConfig { enabled: true, window_s: 3600, max_entries: 100_000, max_bytes: 32 * 1024 * 1024 }
+    }
 }
 
 /// `[control]`: the rollout commands over MQTT on `PREFIX/NODE/control`,
@@ -1101,6 +1127,19 @@ impl Config {
             };
             bad(key, format!("{value}: use at least 1 record and 4096 bytes"));
         }
+        let feedback = &self.feedback;
+        if !(1..=7 * 24 * 3600).contains(&feedback.window_s) {
+            bad("feedback.window_s", format!("{}: use 1 to 604800 seconds (a week)", feedback.window_s));
+        }
+        if !(1..=10_000_000).contains(&feedback.max_entries) {
+            bad("feedback.max_entries", format!("{}: use 1 to 10000000 answers", feedback.max_entries));
+        }
+        if !(64 * 1024..=4 << 30).contains(&feedback.max_bytes) {
+            bad(
+                "feedback.max_bytes",
+                format!("{}: use 65536 (64 KiB) to 4294967296 (4 GiB)", feedback.max_bytes),
+            );
+        }
         if self.cache.sweep_interval_s == 0 {
             bad("cache.sweep_interval_s", "0: use at least 1 second".into());
         }
@@ -1331,6 +1370,9 @@ mod tests {
         for (key, value, names) in [
             ("EDGEINFER_CAPTURE__RATE", "1.5", "capture.rate"),
             ("EDGEINFER_CAPTURE__MAX_RECORDS", "0", "capture.max_records"),
+            ("EDGEINFER_FEEDBACK__WINDOW_S", "0", "feedback.window_s"),
+            ("EDGEINFER_FEEDBACK__MAX_ENTRIES", "0", "feedback.max_entries"),
+            ("EDGEINFER_FEEDBACK__MAX_BYTES", "1024", "feedback.max_bytes"),
             ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "0", "cache.redis.timeout_ms"),
             ("EDGEINFER_CACHE__REDIS__KEY_PREFIX", "a*", "cache.redis.key_prefix"),
             ("EDGEINFER_CACHE__REDIS__TTL_S", "0", "cache.redis.ttl_s"),

@@ -13,7 +13,7 @@ mod docs {
 /// Keys a reload does not apply: the services and the cache are built
 /// once at start. `NAME` stands for any model; a key covers the keys
 /// under it. `lifecycle::needing_restart` compares exactly these.
-pub const RESTART_KEYS: [&str; 10] = [
+pub const RESTART_KEYS: [&str; 11] = [
     "node.id",
     "node.state_dir",
     "mqtt",
@@ -24,6 +24,7 @@ pub const RESTART_KEYS: [&str; 10] = [
     "limits.max_bytes_in_flight",
     "cloud",
     "runtime.io_threads",
+    "feedback",
 ];
 
 /// Defaults that depend on the machine, written as words instead of the

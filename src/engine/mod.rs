@@ -10,6 +10,7 @@ mod cascade;
 mod deadline;
 mod decode;
 mod envelope;
+pub mod feedback;
 mod generation;
 mod options;
 mod postprocess;
@@ -81,6 +82,8 @@ pub struct Engine {
     cloud_tier: Option<CloudTier>,
     /// The capture of real inputs, when `capture.enabled`.
     capture: Option<Capture>,
+    /// The answers kept for field feedback, when `feedback.enabled`.
+    feedback: Option<feedback::FeedbackStore>,
     /// The deployment state (which version is stable); without it the
     /// newest version of each model serves.
     rollout: Option<Rollout>,
@@ -113,6 +116,7 @@ impl Engine {
             cache,
             cloud_tier: None,
             capture: None,
+            feedback: None,
             rollout: None,
             stats: Stats::start(),
             reload_outcome: Default::default(),
@@ -131,6 +135,41 @@ impl Engine {
     pub fn with_capture(mut self, capture: Capture) -> Engine {
         self.capture = Some(capture);
         self
+    }
+
+    /// Keeps each answer for field feedback from now on.
+    pub fn with_feedback(mut self, store: feedback::FeedbackStore) -> Engine {
+        self.feedback = Some(store);
+        self
+    }
+
+    /// The answers kept for field feedback, when `feedback.enabled`.
+    pub fn feedback(&self) -> Option<&feedback::FeedbackStore> {
+        self.feedback.as_ref()
+    }
+
+    /// Keeps `response` for the feedback about request `id`.
+    fn keep_for_feedback(&self, id: &str, response: &InferResponse) {
+        let Some(store) = &self.feedback else { return };
+        let config = self
+            .config_sha256
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|h| h[..12].to_string());
+        let p = &response.parameters;
+        let answer = feedback::Answer {
+            model: response.model_name.clone(),
+            version: response.model_version.clone(),
+            label: p.label.clone(),
+            confidence: p.confidence,
+            served_by: match p.served_by {
+                crate::protocol::ServedBy::Edge => "edge",
+                crate::protocol::ServedBy::Cloud => "cloud",
+            },
+            config,
+        };
+        store.record(id, answer);
     }
 
     /// Records the config in service (at start and after each reload) as
@@ -203,8 +242,10 @@ impl Engine {
         let registry = self.registry();
         let mut report = rollout.current().report(&registry.available(), &registry.fingerprints(), model)?;
         let trials = rollout.trials();
+        let quality = self.feedback.as_ref().map(|f| f.quality()).unwrap_or_default();
         for m in &mut report {
             m.trial = trials.get(&m.model).cloned();
+            m.field_quality = quality.iter().filter(|q| q.model == m.model).cloned().collect();
         }
         Ok(report)
     }
@@ -276,6 +317,9 @@ impl Engine {
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
         let version = result.as_ref().map(|r| r.model_version.clone()).unwrap_or_default();
+        if let Ok(response) = &result {
+            self.keep_for_feedback(&decoded.id, response);
+        }
         let payload = codec::encode_reply(&decoded.id, result, encoding);
         self.record(&generation, label, &version, envelope.transport, outcome, start.elapsed());
         Reply { id: decoded.id, outcome, payload }
@@ -469,6 +513,8 @@ impl Engine {
                         if let (Some(capture), Some(model)) = (&engine.capture, &model) {
                             capture.offer(model, &req, &reply);
                         }
+                        // The answer that ends the request is the one feedback is about.
+                        engine.keep_for_feedback(&req.id, &reply);
                         let route = entry.route.clone();
                         let encoding = Encoding::from_content_type(route.content_type.as_deref());
                         let payload = codec::encode_reply(&req.id, Ok(reply), encoding);
@@ -521,6 +567,7 @@ impl Engine {
             deployments: self.deployments(),
             trials: self.rollout.as_ref().map(Rollout::trials).unwrap_or_default(),
             config_sha256: self.config_sha256.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            field_quality: self.feedback.as_ref().map(|f| f.quality()).unwrap_or_default(),
             requests: self.request_counts(),
             cache: self.cache.health(),
             cloud: self.cloud_state().map(|s| s.as_str()),

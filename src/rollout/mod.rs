@@ -11,12 +11,14 @@
 //! thread judges each rollout's step on those figures.
 
 pub mod candidate;
+pub mod field;
 pub mod gates;
 pub mod plan;
 pub mod site;
 pub mod state;
 
 pub use candidate::Candidate;
+pub use field::FieldQuality;
 pub use gates::{Compared, Gate, GateResult, Seen, Trial, Verdict};
 pub use plan::Plan;
 pub use site::{SiteIn, SiteOut, StepFigures};

@@ -434,6 +434,10 @@ pub struct ModelReport {
     /// The last decision took effect but is not on disk yet: why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unsaved: Option<String>,
+    /// Per version, what devices reported of its answers since the node
+    /// started (only a running node has them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub field_quality: Vec<super::FieldQuality>,
 }
 
 impl Deployments {
@@ -485,6 +489,7 @@ impl Deployments {
                     candidate: deployment.and_then(|d| d.candidate.clone()),
                     trial: None,
                     unsaved: deployment.and_then(|d| d.unsaved.clone()),
+                    field_quality: Vec::new(),
                 }
             })
             .collect())

@@ -130,6 +130,25 @@ pub const CAPTURE_RECORDS: &str = "edgeinfer_capture_records_total";
 pub const CAPTURE_DROPPED: &str = "edgeinfer_capture_dropped_total";
 /// Answers marked `degraded` (the cloud was wanted but not used), by `model`.
 pub const CLOUD_DEGRADED: &str = "edgeinfer_cloud_degraded_total";
+/// Field feedback joined with the answer given, by `model`, `version` and
+/// `kind` (`label` or `outcome`).
+pub const FEEDBACK: &str = "edgeinfer_feedback_total";
+/// Feedback not counted, by `reason`: `unknown_id` (no answer with that id
+/// within `feedback.window_s`), `not_here` (on the site's topic: another
+/// node's answer, or none), `duplicate` (that answer had feedback of that
+/// kind), `answer_has_no_label`, `invalid`, `busy`.
+pub const FEEDBACK_UNJOINED: &str = "edgeinfer_feedback_unjoined_total";
+/// The weighted share of label feedback the answer had right, by `model`
+/// and `version`, since the node started.
+pub const FEEDBACK_ACCURACY: &str = "edgeinfer_feedback_accuracy";
+/// The weighted mean outcome devices reported, by `model` and `version`,
+/// since the node started.
+pub const FEEDBACK_OUTCOME_MEAN: &str = "edgeinfer_feedback_outcome_mean";
+/// Answers kept for feedback (`feedback.window_s`).
+pub const FEEDBACK_ANSWERS_KEPT: &str = "edgeinfer_feedback_answers_kept";
+/// Answers no longer kept for feedback before the window ended, by
+/// `reason`: `evicted` (the store's bounds), `queue_full`.
+pub const FEEDBACK_ANSWERS_DROPPED: &str = "edgeinfer_feedback_answers_dropped_total";
 
 /// The timed stages of the request path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +326,21 @@ pub fn install() -> Option<PrometheusHandle> {
         "Sampled requests not captured, by reason: busy (the capture writer lagged)"
     );
     metrics::describe_counter!(CLOUD_DEGRADED, "Answers from the edge although the cloud was wanted");
+    metrics::describe_counter!(
+        FEEDBACK,
+        "Field feedback joined with the answer given, by kind: label or outcome"
+    );
+    metrics::describe_counter!(
+        FEEDBACK_UNJOINED,
+        "Feedback not counted, by reason: unknown_id, not_here, duplicate, answer_has_no_label, invalid, busy"
+    );
+    metrics::describe_gauge!(FEEDBACK_ACCURACY, "Weighted share of label feedback the answer had right");
+    metrics::describe_gauge!(FEEDBACK_OUTCOME_MEAN, "Weighted mean outcome reported by devices");
+    metrics::describe_gauge!(FEEDBACK_ANSWERS_KEPT, "Answers kept for feedback within feedback.window_s");
+    metrics::describe_counter!(
+        FEEDBACK_ANSWERS_DROPPED,
+        "Answers dropped before the feedback window ended, by reason: evicted (bounds), queue_full"
+    );
     metrics::gauge!(
         BUILD_INFO,
         "version" => env!("CARGO_PKG_VERSION"),

@@ -1,7 +1,7 @@
 //! The retained status message.
 
 use crate::model::{LoadedModel, Registry};
-use crate::rollout::{Candidate, Decision, Deployments, Trial};
+use crate::rollout::{Candidate, Decision, Deployments, FieldQuality, Trial};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -57,6 +57,10 @@ pub struct Status {
     /// The share group's connection; set by the MQTT service.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub share_group: Option<ShareGroupStatus>,
+    /// Each version's field feedback since the node started
+    /// (`feedback.enabled`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub field_quality: Vec<FieldQuality>,
 }
 
 /// What the status shows of the share group's connection (issue 42).
@@ -143,6 +147,8 @@ pub struct EngineSnapshot {
     pub cloud: Option<&'static str>,
     pub reload_error: Option<String>,
     pub restart_needed: Vec<&'static str>,
+    /// Each version's field feedback, when `feedback.enabled`.
+    pub field_quality: std::sync::Arc<Vec<FieldQuality>>,
 }
 
 /// The response cache as the status reports it.
@@ -207,6 +213,7 @@ impl Status {
             build: Build::THIS,
             config_sha256: None,
             share_group: None,
+            field_quality: Vec::new(),
         }
     }
 
@@ -231,6 +238,7 @@ impl Status {
         s.cloud = live.cloud;
         s.reload_error = live.reload_error;
         s.restart_needed = live.restart_needed;
+        s.field_quality = live.field_quality.to_vec();
         s.rss_bytes = super::resident_bytes();
         s.peak_rss_bytes = super::peak_resident_bytes();
         serde_json::to_vec(&s).expect("status serializes")

@@ -125,6 +125,14 @@ fn print_model(m: &ModelReport) {
             );
         }
     }
+    for q in &m.field_quality {
+        let accuracy = q.accuracy().map_or("-".into(), |a| format!("{a:.4}"));
+        let mean = q.mean_outcome().map_or("-".into(), |o| format!("{o:.4}"));
+        println!(
+            "    field v{}: {} answers; accuracy {accuracy} ({} labels), mean outcome {mean} ({} outcomes)",
+            q.version, q.answers, q.labels, q.outcomes
+        );
+    }
     for d in m.history.iter().rev().take(5) {
         println!("    {}", describe(d));
     }

@@ -48,6 +48,7 @@ pub fn router(
         .route("/v2/models/{model}/ready", get(model_ready))
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_version))
+        .route("/v2/feedback", post(feedback))
         .route("/cache/stats", get(cache_stats))
         .route("/cache/purge", post(cache_purge))
         .route("/models/status", get(models_status))
@@ -330,6 +331,37 @@ async fn handle(
         }
     };
     reply_response(reply, status, encoding)
+}
+
+/// `POST /v2/feedback`: 200 with what became of it (joined, or why not),
+/// or the error reply naming the field and the fix.
+async fn feedback(State(state): State<AppState>, body: Body) -> Response {
+    use crate::engine::feedback::{self, MAX_MESSAGE_BYTES};
+    let bytes = match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, MAX_MESSAGE_BYTES))
+        .await
+    {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(_)) => {
+            feedback::refused("invalid");
+            let message =
+                format!("feedback larger than {MAX_MESSAGE_BYTES} bytes: send id, label or outcome, weight");
+            return error_response(&InferError::too_large(message));
+        }
+        Err(_) => {
+            let waited = state.body_timeout.as_millis();
+            let message =
+                format!("the body did not arrive within http.body_timeout_ms = {waited}; send it at once");
+            return error_response(&InferError::invalid_payload(message));
+        }
+    };
+    match feedback::take(state.engine.feedback(), &bytes, feedback::Addressed::Node).await {
+        Ok((id, joined)) => axum::Json(feedback::reply_body(&id, &joined)).into_response(),
+        Err((id, err)) => {
+            let status =
+                StatusCode::from_u16(err.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, axum::Json(ErrorReply::new(id, &err))).into_response()
+        }
+    }
 }
 
 /// The engine's reply with the status its outcome calls for, unless the

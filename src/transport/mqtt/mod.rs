@@ -8,6 +8,7 @@
 mod acks;
 mod ask;
 mod control;
+mod feedback;
 pub mod journal;
 mod options;
 mod outbox;
@@ -345,7 +346,7 @@ impl MqttService {
                         // the session layer resends the unconfirmed replies.
                         // The control topic follows the config in service,
                         // not the one the session was made with.
-                        self.resubscribe_control(conn.link.session());
+                        self.resubscribe_switched_topics(conn.link.session());
                         self.leave_share_on_own_session(conn.link.session());
                         self.resubscribe_own_topic(conn.link.session());
                         (subscribed, session) = (true, "resumed");
@@ -381,6 +382,17 @@ impl MqttService {
                     };
                     tasks.spawn(async move {
                         slot.send(task.handle(&publish, admitted.is_ok()).await);
+                        drop(admitted);
+                    });
+                }
+                Event::Publish { arrival, publish } if self.topics.feedback_of(&publish.topic).is_some() => {
+                    let slot = AckSlot::new(arrival, finished_tx.clone());
+                    let addressed = self.topics.feedback_of(&publish.topic).expect("matched");
+                    let admitted = admission.admit(publish.payload.len());
+                    let task =
+                        feedback::FeedbackTask { engine: self.engine.clone(), topics: self.topics.clone() };
+                    tasks.spawn(async move {
+                        slot.send(task.handle(&publish, addressed, admitted.is_ok()).await);
                         drop(admitted);
                     });
                 }
@@ -601,24 +613,35 @@ impl MqttService {
     }
 
     /// Every filter in one SUBSCRIBE, so one SUBACK confirms them; the
-    /// control topic only with `control.enabled`. The share group is not
-    /// among them: it rides its own connection (`share.rs`).
+    /// control topic only with `control.enabled`, the feedback topics only
+    /// with `feedback.enabled`. The share group is not among them: it rides
+    /// its own connection (`share.rs`).
     fn subscribe(&self, session: &mut Session) {
         let mut topics = vec![self.topics.node_requests()];
         if self.control.is_some() {
             topics.push(self.topics.control());
         }
+        if self.engine.feedback().is_some() {
+            topics.extend([self.topics.feedback(), self.topics.site_feedback()]);
+        }
         session.subscribe(topics.into_iter().map(|f| Filter::new(f, QoS::AtLeastOnce)).collect());
     }
 
-    /// On a resumed session: the control topic subscribed exactly when
-    /// `control.enabled` (a restart may have turned it on or off).
-    fn resubscribe_control(&self, session: &mut Session) {
-        let topic = self.topics.control();
-        match self.control {
-            Some(_) => session.subscribe(vec![Filter::new(topic, QoS::AtLeastOnce)]),
-            None => session.unsubscribe(vec![topic]),
-        };
+    /// On a resumed session: the control and feedback topics subscribed
+    /// exactly when they are on (a restart may have turned them on or off).
+    fn resubscribe_switched_topics(&self, session: &mut Session) {
+        let switched = [
+            (vec![self.topics.control()], self.control.is_some()),
+            (vec![self.topics.feedback(), self.topics.site_feedback()], self.engine.feedback().is_some()),
+        ];
+        for (topics, on) in switched {
+            match on {
+                true => {
+                    session.subscribe(topics.into_iter().map(|t| Filter::new(t, QoS::AtLeastOnce)).collect())
+                }
+                false => session.unsubscribe(topics),
+            };
+        }
     }
 
     /// On a resumed session too: a session whose first connection broke

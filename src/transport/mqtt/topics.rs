@@ -92,6 +92,29 @@ impl Topics {
         format!("{}/{}/control", self.prefix, self.node)
     }
 
+    /// Feedback about this node's answers.
+    pub fn feedback(&self) -> String {
+        format!("{}/{}/feedback", self.prefix, self.node)
+    }
+
+    /// Feedback any node of the site may hold the answer for: every node
+    /// subscribes (not as a share group), the one that answered joins it.
+    pub fn site_feedback(&self) -> String {
+        format!("{}/feedback", self.prefix)
+    }
+
+    /// Where feedback on `topic` is addressed, when it is feedback.
+    pub fn feedback_of(&self, topic: &[u8]) -> Option<crate::engine::feedback::Addressed> {
+        use crate::engine::feedback::Addressed;
+        // Asked of every publish: no allocation.
+        let rest = topic.strip_prefix(self.prefix.as_bytes())?.strip_prefix(b"/")?;
+        if rest == b"feedback" {
+            return Some(Addressed::Site);
+        }
+        let own = rest.strip_prefix(self.node.as_bytes())?.strip_prefix(b"/")?;
+        (own == b"feedback").then_some(Addressed::Node)
+    }
+
     pub fn status(&self) -> String {
         format!("{}/{}/status", self.prefix, self.node)
     }

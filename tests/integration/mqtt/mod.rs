@@ -10,6 +10,7 @@ mod embedded;
 mod exactly_once;
 #[cfg(feature = "failpoints")]
 mod faults;
+mod feedback;
 mod http_access;
 mod http_split;
 mod idle;
