@@ -4,7 +4,7 @@
 pub mod reference;
 mod rollout;
 
-pub use rollout::{AutoRollout, OnInconclusive, RolloutMode, RolloutPolicy};
+pub use rollout::{AutoRollout, FIELD_CONFIDENCE, OnInconclusive, RolloutMode, RolloutPolicy};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

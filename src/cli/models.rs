@@ -110,7 +110,9 @@ pub enum ModelsCommand {
         /// Gate settings over models.NAME.rollout's, as KEY=VALUE,...: bake_s,
         /// min_requests, max_wait_s, on_inconclusive (hold|rollback),
         /// max_error_rate_increase, max_p99_ratio, p99_slack_ms,
-        /// min_agreement, max_escalation_increase, compare_share, ab_share.
+        /// min_agreement, max_escalation_increase, compare_share, ab_share,
+        /// and the field gates' min_feedback (0: off), max_accuracy_drop,
+        /// max_outcome_drop, field_confidence (0.9|0.95|0.99).
         #[arg(long)]
         gates: Option<String>,
         #[command(flatten)]

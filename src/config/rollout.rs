@@ -66,6 +66,10 @@ pub enum OnInconclusive {
     Rollback,
 }
 
+/// The confidence levels `field_confidence` may name, with the one-sided
+/// normal quantile each stands for.
+pub const FIELD_CONFIDENCE: [(f64, f64); 3] = [(0.90, 1.2816), (0.95, 1.6449), (0.99, 2.3263)];
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolloutPolicy {
@@ -98,6 +102,19 @@ pub struct RolloutPolicy {
     /// Gate `escalation` (with a cloud tier): the candidate's share of answers
     /// below the threshold may exceed stable's by this.
     pub max_escalation_increase: f64,
+    /// Gates `field_accuracy` and `field_outcome` (devices' feedback): the
+    /// least feedback of the kind each version needs in a step; 0 turns
+    /// them off. Off too while neither version has feedback of the kind.
+    pub min_feedback: u64,
+    /// Gate `field_accuracy`: the candidate's share of labels right may be
+    /// this far below stable's before it fails.
+    pub max_accuracy_drop: f64,
+    /// Gate `field_outcome`: the candidate's mean outcome may be this far
+    /// below stable's before it fails.
+    pub max_outcome_drop: f64,
+    /// How sure the field gates must be that the candidate is worse before
+    /// failing it: 0.9, 0.95 or 0.99 (one-sided).
+    pub field_confidence: f64,
 }
 
 impl Default for RolloutPolicy {
@@ -115,6 +132,10 @@ impl Default for RolloutPolicy {
             p99_slack_ms: 1.0,
             min_agreement: 0.95,
             max_escalation_increase: 0.05,
+            min_feedback: 100,
+            max_accuracy_drop: 0.0,
+            max_outcome_drop: 0.0,
+            field_confidence: 0.95,
         }
     }
 }
@@ -184,6 +205,30 @@ impl RolloutPolicy {
                     "{} (slack {} ms): use a ratio of 1.0 or more and a slack of 0 or more",
                     self.max_p99_ratio, self.p99_slack_ms
                 ),
+            ));
+        }
+        if (1..30).contains(&self.min_feedback) {
+            return Err((
+                "min_feedback",
+                format!(
+                    "{}: use 0 (field gates off) or at least 30 (the tests' normal approximation)",
+                    self.min_feedback
+                ),
+            ));
+        }
+        if !FIELD_CONFIDENCE.iter().any(|(c, _)| (c - self.field_confidence).abs() < 1e-9) {
+            return Err(("field_confidence", format!("{}: use 0.9, 0.95 or 0.99", self.field_confidence)));
+        }
+        if !(0.0..=1.0).contains(&self.max_accuracy_drop) {
+            return Err((
+                "max_accuracy_drop",
+                format!("{}: use a share from 0.0 to 1.0", self.max_accuracy_drop),
+            ));
+        }
+        if !(self.max_outcome_drop.is_finite() && self.max_outcome_drop >= 0.0) {
+            return Err((
+                "max_outcome_drop",
+                format!("{}: use 0 or a positive number", self.max_outcome_drop),
             ));
         }
         if self.min_requests == 0 {

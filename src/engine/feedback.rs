@@ -14,6 +14,7 @@
 
 use crate::protocol::InferError;
 pub use crate::rollout::FieldQuality;
+use crate::rollout::{FieldSays, FieldSeen, Observer};
 use crate::telemetry::{
     FEEDBACK, FEEDBACK_ACCURACY, FEEDBACK_ANSWERS_DROPPED, FEEDBACK_ANSWERS_KEPT, FEEDBACK_OUTCOME_MEAN,
     FEEDBACK_UNJOINED,
@@ -228,8 +229,10 @@ pub enum Addressed {
 
 /// One feedback message as both transports take it: its id and what
 /// became of it, or the error reply naming the field and the fix.
+/// Joined feedback also goes to `rollout`, for the field gates.
 pub async fn take(
     store: Option<&FeedbackStore>,
+    rollout: Option<&Observer>,
     payload: &[u8],
     addressed: Addressed,
 ) -> Result<(String, Joined), (String, InferError)> {
@@ -248,7 +251,7 @@ pub async fn take(
             return Err((String::new(), err));
         }
     };
-    let id = feedback.id.clone();
+    let (id, weight, outcome) = (feedback.id.clone(), feedback.weight(), feedback.outcome);
     match store.join(feedback).await {
         Ok(Joined::Unjoined { reason: "unknown_id" }) if addressed == Addressed::Site => {
             refused("not_here");
@@ -258,7 +261,22 @@ pub async fn take(
             refused(reason);
             Ok((id, Joined::Unjoined { reason }))
         }
-        Ok(joined) => Ok((id, joined)),
+        Ok(joined) => {
+            if let (Some(rollout), Joined::Joined { model, version, correct, .. }) = (rollout, &joined) {
+                let says = match (correct, outcome) {
+                    (Some(correct), _) => FieldSays::Label { correct: *correct },
+                    (None, Some(x)) => FieldSays::Outcome(x),
+                    (None, None) => return Ok((id, joined)),
+                };
+                rollout.observe_field(FieldSeen {
+                    model: model.clone(),
+                    version: version.clone(),
+                    weight,
+                    says,
+                });
+            }
+            Ok((id, joined))
+        }
         Err(Busy) => {
             refused("busy");
             Err((id, InferError::overloaded(Busy.to_string())))

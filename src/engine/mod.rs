@@ -143,9 +143,20 @@ impl Engine {
         self
     }
 
-    /// The answers kept for field feedback, when `feedback.enabled`.
-    pub fn feedback(&self) -> Option<&feedback::FeedbackStore> {
-        self.feedback.as_ref()
+    /// Whether feedback is taken (`feedback.enabled`).
+    pub fn takes_feedback(&self) -> bool {
+        self.feedback.is_some()
+    }
+
+    /// One field feedback message from a transport: joined with the
+    /// answer given, and on to the rollout's field gates.
+    pub async fn take_feedback(
+        &self,
+        payload: &[u8],
+        addressed: feedback::Addressed,
+    ) -> Result<(String, feedback::Joined), (String, InferError)> {
+        let observer = self.rollout.as_ref().map(Rollout::observer);
+        feedback::take(self.feedback.as_ref(), observer.as_ref(), payload, addressed).await
     }
 
     /// Keeps `response` for the feedback about request `id`.

@@ -4,7 +4,7 @@
 //! lack of data.
 
 use super::candidate::Candidate;
-use crate::config::{RolloutMode, RolloutPolicy};
+use crate::config::{FIELD_CONFIDENCE, RolloutMode, RolloutPolicy};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -24,6 +24,105 @@ pub struct Seen {
     pub escalates: Option<bool>,
     /// For a comparison run: whether both versions gave the same label.
     pub compared: Compared,
+}
+
+/// Field feedback about an answer a version gave (`engine/feedback.rs`),
+/// counted in the step running when it arrives: feedback comes late.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FieldSeen {
+    pub model: String,
+    pub version: String,
+    pub weight: f64,
+    pub says: FieldSays,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FieldSays {
+    /// The true label came back: whether the answer had it.
+    Label { correct: bool },
+    /// An outcome (accepted 1 / rejected 0, or any value).
+    Outcome(f64),
+}
+
+/// One version's field feedback over a step, weighted: for a share (the
+/// labels it had right) and for a mean (the outcomes), with what the
+/// tests need, the sums of weights and of squared weights (the effective
+/// sample size, Kish's `(sum w)^2 / sum w^2`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FieldFigures {
+    pub labels: u64,
+    pub label_w: f64,
+    pub label_w2: f64,
+    pub correct_w: f64,
+    pub outcomes: u64,
+    pub outcome_w: f64,
+    pub outcome_w2: f64,
+    pub outcome_sum: f64,
+    pub outcome_sq: f64,
+}
+
+impl FieldFigures {
+    fn record(&mut self, field: &FieldSeen) {
+        let w = field.weight;
+        match field.says {
+            FieldSays::Label { correct } => {
+                self.labels += 1;
+                (self.label_w, self.label_w2) = (self.label_w + w, self.label_w2 + w * w);
+                self.correct_w += if correct { w } else { 0.0 };
+            }
+            FieldSays::Outcome(x) => {
+                self.outcomes += 1;
+                (self.outcome_w, self.outcome_w2) = (self.outcome_w + w, self.outcome_w2 + w * w);
+                (self.outcome_sum, self.outcome_sq) = (self.outcome_sum + w * x, self.outcome_sq + w * x * x);
+            }
+        }
+    }
+
+    fn add(&mut self, other: &FieldFigures) {
+        self.labels += other.labels;
+        self.label_w += other.label_w;
+        self.label_w2 += other.label_w2;
+        self.correct_w += other.correct_w;
+        self.outcomes += other.outcomes;
+        self.outcome_w += other.outcome_w;
+        self.outcome_w2 += other.outcome_w2;
+        self.outcome_sum += other.outcome_sum;
+        self.outcome_sq += other.outcome_sq;
+    }
+
+    /// The weighted accuracy and its effective sample size.
+    fn accuracy(&self) -> Option<(f64, f64)> {
+        (self.label_w > 0.0).then(|| (self.correct_w / self.label_w, self.label_w.powi(2) / self.label_w2))
+    }
+
+    /// The weighted mean outcome, its variance and effective sample size.
+    fn outcome(&self) -> Option<(f64, f64, f64)> {
+        (self.outcome_w > 0.0).then(|| {
+            let mean = self.outcome_sum / self.outcome_w;
+            let variance = (self.outcome_sq / self.outcome_w - mean * mean).max(0.0);
+            (mean, variance, self.outcome_w.powi(2) / self.outcome_w2)
+        })
+    }
+}
+
+/// Whether the candidate is worse than stable by more than `drop`, at
+/// `confidence`: the one-sided bound of (candidate - stable + drop) is
+/// below 0. Shares by a two-proportion test with the Agresti-Caffo
+/// adjustment (one success and one failure added to each side, so a side
+/// at 0 or 1 still has a variance); means by Welch's unpooled variances
+/// with the normal quantile (`min_feedback` is at least 30 samples).
+fn field_worse(candidate: (f64, f64, f64), stable: (f64, f64, f64), drop: f64, confidence: f64) -> bool {
+    let z = FIELD_CONFIDENCE.iter().find(|(c, _)| (c - confidence).abs() < 1e-9).map_or(1.6449, |q| q.1);
+    let [(mc, vc, nc), (ms, vs, ns)] = [candidate, stable];
+    let se = (vc / nc + vs / ns).sqrt();
+    let d = mc - ms + drop;
+    if se == 0.0 { d < 0.0 } else { d / se < -z }
+}
+
+/// Agresti-Caffo: a share `p` of `n` as one more success and one more failure.
+fn adjusted(p: f64, n: f64) -> (f64, f64, f64) {
+    let (n, p) = (n + 2.0, (p * n + 1.0) / (n + 2.0));
+    (p, p * (1.0 - p), n)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,7 +215,8 @@ pub struct VersionFigures {
 }
 
 /// Every gate, in the order `Window::gates` judges them.
-pub const GATES: [&str; 4] = ["error_rate", "agreement", "latency", "escalation"];
+pub const GATES: [&str; 6] =
+    ["error_rate", "agreement", "field_accuracy", "field_outcome", "latency", "escalation"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -195,6 +295,9 @@ pub struct WindowWire {
     pub compared: u64,
     pub agreed: u64,
     pub unlabelled: u64,
+    /// Field feedback per version (absent from nodes older than it).
+    #[serde(default)]
+    pub field: [FieldFigures; 2],
 }
 
 /// Beyond it a wire histogram is cut: a peer's message cannot grow one
@@ -235,6 +338,7 @@ impl Window {
             compared: self.compared,
             agreed: self.agreed,
             unlabelled: self.unlabelled,
+            field: self.field.clone(),
         }
     }
 
@@ -245,6 +349,9 @@ impl Window {
         self.compared += wire.compared;
         self.agreed += wire.agreed;
         self.unlabelled += wire.unlabelled;
+        for (mine, theirs) in self.field.iter_mut().zip(&wire.field) {
+            mine.add(theirs);
+        }
     }
 }
 
@@ -257,6 +364,8 @@ pub struct Window {
     agreed: u64,
     /// Comparisons made on a model without labels.
     unlabelled: u64,
+    /// Field feedback: stable's, then the candidate's.
+    field: [FieldFigures; 2],
 }
 
 impl Window {
@@ -270,6 +379,58 @@ impl Window {
             Compared::Unlabelled => self.unlabelled += 1,
             Compared::No | Compared::Failed => {}
         }
+    }
+
+    pub fn record_field(&mut self, field: &FieldSeen, is_candidate: bool) {
+        self.field[usize::from(is_candidate)].record(field);
+    }
+
+    /// The two field gates: off with `min_feedback = 0` or while neither
+    /// version has feedback of the kind in this step; inconclusive while
+    /// either has fewer than `min_feedback`; failed when the candidate is
+    /// worse than stable by more than the allowed drop at
+    /// `field_confidence` (`field_worse`); else passed.
+    fn field_gates(&self, policy: &RolloutPolicy) -> [Gate; 2] {
+        let [s, c] = &self.field;
+        let need = policy.min_feedback;
+        let judge = |counts: [u64; 2], worse: Option<bool>| match (need, counts, worse) {
+            (0, ..) | (_, [0, 0], _) => GateResult::Off,
+            (_, [a, b], _) if a.min(b) < need => GateResult::Inconclusive,
+            (_, _, Some(true)) => GateResult::Fail,
+            _ => GateResult::Pass,
+        };
+        let confidence = policy.field_confidence;
+        let accuracy_worse = match (c.accuracy(), s.accuracy()) {
+            (Some((pc, nc)), Some((ps, ns))) => {
+                Some(field_worse(adjusted(pc, nc), adjusted(ps, ns), policy.max_accuracy_drop, confidence))
+            }
+            _ => None,
+        };
+        let outcome_worse = match (c.outcome(), s.outcome()) {
+            (Some(co), Some(so)) => Some(field_worse(co, so, policy.max_outcome_drop, confidence)),
+            _ => None,
+        };
+        let at = |drop: f64| format!("stable - {drop}, at {confidence} confidence");
+        [
+            Gate {
+                gate: "field_accuracy".into(),
+                result: judge([c.labels, s.labels], accuracy_worse),
+                candidate: c.accuracy().map(|a| a.0),
+                stable: s.accuracy().map(|a| a.0),
+                limit: at(policy.max_accuracy_drop),
+                samples: c.labels.min(s.labels),
+                needed: need,
+            },
+            Gate {
+                gate: "field_outcome".into(),
+                result: judge([c.outcomes, s.outcomes], outcome_worse),
+                candidate: c.outcome().map(|o| o.0),
+                stable: s.outcome().map(|o| o.0),
+                limit: at(policy.max_outcome_drop),
+                samples: c.outcomes.min(s.outcomes),
+                needed: need,
+            },
+        ]
     }
 
     /// Every gate on these figures under `policy`, the answers' correctness
@@ -299,6 +460,7 @@ impl Window {
         } else {
             judged(self.compared, agreement.is_some_and(|a| a < policy.min_agreement))
         };
+        let [field_accuracy, field_outcome] = self.field_gates(policy);
         let (ce, se) = (c.escalation_rate(), s.escalation_rate());
         let escalation_result = if c.escalation_known + s.escalation_known == 0 {
             GateResult::Off
@@ -325,6 +487,8 @@ impl Window {
                 samples: self.compared,
                 needed: need,
             },
+            field_accuracy,
+            field_outcome,
             Gate {
                 gate: "latency".into(),
                 result: judged(latency_samples, latency_fails),
@@ -475,6 +639,97 @@ mod tests {
         RolloutPolicy { min_requests: 20, bake_s: 10, max_wait_s: 100, ..RolloutPolicy::default() }
     }
 
+    fn by_name<'a>(gates: &'a [Gate], name: &str) -> &'a Gate {
+        gates.iter().find(|g| g.gate == name).unwrap_or_else(|| panic!("no gate {name} in {gates:?}"))
+    }
+
+    fn label(version: &str, correct: bool) -> FieldSeen {
+        let says = FieldSays::Label { correct };
+        FieldSeen { model: "digits".into(), version: version.into(), weight: 1.0, says }
+    }
+
+    fn outcome(version: &str, x: f64) -> FieldSeen {
+        FieldSeen {
+            model: "digits".into(),
+            version: version.into(),
+            weight: 1.0,
+            says: FieldSays::Outcome(x),
+        }
+    }
+
+    /// A window with `n` answers of each version, all alike, so only the
+    /// field gates can decide.
+    fn quiet_window(n: usize) -> Window {
+        let mut w = Window::default();
+        for _ in 0..n {
+            w.record(&seen(1000, false, Some(true)), true);
+            w.record(&seen(1000, false, None), false);
+        }
+        w
+    }
+
+    #[test]
+    fn field_gates_fail_a_worse_candidate_pass_an_equal_one_and_wait_on_too_little_feedback() {
+        let c = candidate(RolloutPolicy { min_feedback: 50, ..policy() });
+        let mut rng = fastrand::Rng::with_seed(40);
+        // Permuted labels: right 10% of the time against stable's 90%.
+        let mut w = quiet_window(20);
+        for _ in 0..60 {
+            w.record_field(&label("2", rng.f64() < 0.1), true);
+            w.record_field(&label("1", rng.f64() < 0.9), false);
+        }
+        let gates = w.gates(&c.policy);
+        assert_eq!(by_name(&gates, "field_accuracy").result, GateResult::Fail, "{gates:?}");
+        assert_eq!(by_name(&gates, "field_outcome").result, GateResult::Off, "no outcomes");
+        let Verdict::Fail { reason, .. } = verdict(&c, gates, 150) else { panic!() };
+        assert!(reason.starts_with("gate field_accuracy failed"), "{reason}");
+        // Equal outcomes (both accepted 60% of the time): passes.
+        let mut w = quiet_window(20);
+        for _ in 0..200 {
+            w.record_field(&outcome("2", f64::from(rng.f64() < 0.6)), true);
+            w.record_field(&outcome("1", f64::from(rng.f64() < 0.6)), false);
+        }
+        assert_eq!(by_name(&w.gates(&c.policy), "field_outcome").result, GateResult::Pass);
+        // A lower mean outcome (0.3 against 0.6): fails.
+        let mut w = quiet_window(20);
+        for _ in 0..200 {
+            w.record_field(&outcome("2", f64::from(rng.f64() < 0.3)), true);
+            w.record_field(&outcome("1", f64::from(rng.f64() < 0.6)), false);
+        }
+        assert_eq!(by_name(&w.gates(&c.policy), "field_outcome").result, GateResult::Fail);
+        // Feedback on 5% of 200 answers: 10 a version, short of 50, even
+        // with the candidate all wrong: inconclusive, never passing.
+        let mut w = quiet_window(20);
+        for _ in 0..10 {
+            w.record_field(&label("2", false), true);
+            w.record_field(&label("1", true), false);
+            w.record_field(&outcome("2", 1.0), true);
+            w.record_field(&outcome("1", 1.0), false);
+        }
+        let gates = w.gates(&c.policy);
+        for name in ["field_accuracy", "field_outcome"] {
+            assert_eq!(by_name(&gates, name).result, GateResult::Inconclusive, "{gates:?}");
+        }
+        assert_eq!(verdict(&c, gates.clone(), 150), Verdict::Wait);
+        assert!(matches!(verdict(&c, gates, 200), Verdict::Inconclusive { .. }));
+        // Plenty for stable is not enough: each version needs its own.
+        for _ in 0..200 {
+            w.record_field(&label("1", true), false);
+        }
+        assert_eq!(by_name(&w.gates(&c.policy), "field_accuracy").result, GateResult::Inconclusive);
+        // A small true difference within the allowed drop passes.
+        let c = candidate(RolloutPolicy { min_feedback: 50, max_accuracy_drop: 0.1, ..policy() });
+        let mut w = quiet_window(20);
+        for i in 0..400 {
+            w.record_field(&label("2", i % 100 < 85), true);
+            w.record_field(&label("1", i % 100 < 88), false);
+        }
+        assert_eq!(by_name(&w.gates(&c.policy), "field_accuracy").result, GateResult::Pass);
+        // min_feedback = 0 turns them off.
+        let c = candidate(RolloutPolicy { min_feedback: 0, ..policy() });
+        assert_eq!(by_name(&w.gates(&c.policy), "field_accuracy").result, GateResult::Off);
+    }
+
     #[test]
     fn a_label_on_one_side_only_is_a_disagreement_so_agreement_stays_on() {
         assert_eq!(Compared::labels(Some("3"), None), Compared::Disagreed);
@@ -513,7 +768,7 @@ mod tests {
         let Verdict::Fail { reason, gates } = verdict(&c, pooled.gates(&c.policy), 150) else { panic!() };
         assert!(reason.starts_with("gate latency failed"), "{reason}");
         assert_eq!(gates[0].samples, 20, "{gates:?}");
-        assert!(gates[2].candidate.unwrap() > 25.0, "{gates:?}");
+        assert!(by_name(&gates, "latency").candidate.unwrap() > 25.0, "{gates:?}");
     }
 
     #[test]
@@ -525,8 +780,11 @@ mod tests {
             w.record(&seen(1000, false, None), false);
         }
         let gates = w.gates(&c.policy);
-        assert!(gates.iter().take(3).all(|g| g.result == GateResult::Inconclusive), "{gates:?}");
-        assert_eq!(gates[3].result, GateResult::Off, "no cloud tier");
+        for name in ["error_rate", "agreement", "latency"] {
+            assert_eq!(by_name(&gates, name).result, GateResult::Inconclusive, "{gates:?}");
+        }
+        assert_eq!(by_name(&gates, "escalation").result, GateResult::Off, "no cloud tier");
+        assert_eq!(by_name(&gates, "field_accuracy").result, GateResult::Off, "no feedback");
         assert_eq!(verdict(&c, gates.clone(), 150), Verdict::Wait, "baked, but short of samples");
         let Verdict::Inconclusive { reason, .. } = verdict(&c, gates, 200) else { panic!() };
         assert!(reason.contains("agreement has 19 of 20"), "{reason}");

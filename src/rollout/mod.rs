@@ -19,7 +19,7 @@ pub mod state;
 
 pub use candidate::Candidate;
 pub use field::FieldQuality;
-pub use gates::{Compared, Gate, GateResult, Seen, Trial, Verdict};
+pub use gates::{Compared, FieldSays, FieldSeen, Gate, GateResult, Seen, Trial, Verdict};
 pub use plan::Plan;
 pub use site::{SiteIn, SiteOut, StepFigures};
 pub use state::{
@@ -127,6 +127,7 @@ impl Command {
 /// What wakes the owner thread besides its once-a-second judging.
 enum Message {
     Seen(Seen),
+    Field(FieldSeen),
     /// A command waits in the command channel.
     Command,
 }
@@ -139,6 +140,11 @@ impl Observer {
     /// Never waits: when the thread is behind, the answer is not counted.
     pub fn observe(&self, seen: Seen) {
         let _ = self.0.try_send(Message::Seen(seen));
+    }
+
+    /// Field feedback joined with a version's answer; never waits either.
+    pub fn observe_field(&self, field: FieldSeen) {
+        let _ = self.0.try_send(Message::Field(field));
     }
 }
 
@@ -394,6 +400,7 @@ impl Owner {
             };
             match message {
                 Ok(Message::Seen(seen)) => self.count(&seen),
+                Ok(Message::Field(field)) => self.count_field(&field),
                 Ok(Message::Command) | Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
@@ -422,6 +429,19 @@ impl Owner {
             return;
         }
         self.window(&seen.model, candidate.step_id).record(seen, is_candidate);
+    }
+
+    /// `field` into its model's window when it is about the candidate or
+    /// stable: in the step running now, whenever the answer was given.
+    fn count_field(&mut self, field: &FieldSeen) {
+        let Some(deployment) = self.state.models.get(&field.model) else { return };
+        let Some(candidate) = &deployment.candidate else { return };
+        let is_candidate = field.version == candidate.version;
+        if !is_candidate && field.version != deployment.stable {
+            return;
+        }
+        let step_id = candidate.step_id;
+        self.window(&field.model, step_id).record_field(field, is_candidate);
     }
 
     /// The figures of `model`'s step `step_id`: empty when that step is new.

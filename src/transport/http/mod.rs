@@ -354,7 +354,7 @@ async fn feedback(State(state): State<AppState>, body: Body) -> Response {
             return error_response(&InferError::invalid_payload(message));
         }
     };
-    match feedback::take(state.engine.feedback(), &bytes, feedback::Addressed::Node).await {
+    match state.engine.take_feedback(&bytes, feedback::Addressed::Node).await {
         Ok((id, joined)) => axum::Json(feedback::reply_body(&id, &joined)).into_response(),
         Err((id, err)) => {
             let status =

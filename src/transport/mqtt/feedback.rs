@@ -28,7 +28,7 @@ impl FeedbackTask {
             .ok()
             .and_then(|v| Some(v.get("reply_to")?.as_str()?.to_string()));
         let taken = match admitted {
-            true => feedback::take(self.engine.feedback(), &publish.payload, addressed).await,
+            true => self.engine.take_feedback(&publish.payload, addressed).await,
             false => {
                 Err((String::new(), InferError::overloaded("the node is at mqtt.max_in_flight; retry later")))
             }

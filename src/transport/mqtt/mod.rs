@@ -621,7 +621,7 @@ impl MqttService {
         if self.control.is_some() {
             topics.push(self.topics.control());
         }
-        if self.engine.feedback().is_some() {
+        if self.engine.takes_feedback() {
             topics.extend([self.topics.feedback(), self.topics.site_feedback()]);
         }
         session.subscribe(topics.into_iter().map(|f| Filter::new(f, QoS::AtLeastOnce)).collect());
@@ -632,7 +632,7 @@ impl MqttService {
     fn resubscribe_switched_topics(&self, session: &mut Session) {
         let switched = [
             (vec![self.topics.control()], self.control.is_some()),
-            (vec![self.topics.feedback(), self.topics.site_feedback()], self.engine.feedback().is_some()),
+            (vec![self.topics.feedback(), self.topics.site_feedback()], self.engine.takes_feedback()),
         ];
         for (topics, on) in switched {
             match on {

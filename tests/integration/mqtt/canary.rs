@@ -94,6 +94,9 @@ struct Fleet {
     /// Sent with `parameters.deadline_ms` from request `.0` on, where an
     /// error reply is expected of some.
     deadline: Option<(usize, u64)>,
+    /// The field feedback a device sends about a reply (to request `id`),
+    /// on the site's feedback topic.
+    feedback: Option<fn(usize, &Value) -> Option<Value>>,
 }
 
 impl Fleet {
@@ -105,7 +108,7 @@ impl Fleet {
         let devices = Client::connect(port, &format!("{tag}-devices"), &[&format!("{tag}/+/replies")]).await;
         let topic = format!("edgeinfer/{}/infer/digits", site.id);
         let (sent_at, replies, decisions) = (Vec::new(), HashMap::new(), Vec::new());
-        Fleet { devices, events, topic, tag, sent_at, replies, decisions, deadline: None }
+        Fleet { devices, events, topic, tag, sent_at, replies, decisions, deadline: None, feedback: None }
     }
 }
 
@@ -126,7 +129,13 @@ impl PacedLoad for Fleet {
     fn take(&mut self) {
         while let Ok(p) = self.devices.inbox.try_recv() {
             let reply: Value = serde_json::from_slice(&p.payload).unwrap();
-            self.replies.entry(reply["id"].as_str().unwrap().parse().unwrap()).or_default().push(reply);
+            let id: usize = reply["id"].as_str().unwrap().parse().unwrap();
+            if let Some(feedback) = self.feedback.and_then(|f| f(id, &reply)) {
+                let qos = rumqttc::v5::mqttbytes::QoS::AtLeastOnce;
+                let body = feedback.to_string().into_bytes();
+                self.devices.client.try_publish("edgeinfer/feedback", qos, false, body).unwrap();
+            }
+            self.replies.entry(id).or_default().push(reply);
         }
         while let Ok(p) = self.events.inbox.try_recv() {
             self.decisions.push((Instant::now(), serde_json::from_slice(&p.payload).unwrap()));
@@ -498,4 +507,89 @@ async fn an_ab_split_keeps_figures_per_version_and_decides_nothing_even_with_dat
     let actions: Vec<&str> = fleet.decisions.iter().map(|(_, d)| d["action"].as_str().unwrap()).collect();
     assert_eq!(actions, ["started"], "{:#?}", fleet.decisions);
     assert_eq!(status[0]["candidate"]["version"], "2", "{status:#}");
+}
+
+/// The true label of request `id`'s input.
+fn truth(id: usize) -> String {
+    let split = heldout();
+    split[id % split.len()].0.to_string()
+}
+
+/// Issue 40: devices report the truth later, and the field gates judge the
+/// candidate on it. A candidate that agrees with stable on nothing is let
+/// through the agreement gate (`min_agreement=0`) and rolled back by field
+/// accuracy; a twin of stable whose devices report a lower outcome (a
+/// simulated business metric) by the outcome gate; feedback on 5% of too
+/// few answers leaves both field gates inconclusive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn field_feedback_rolls_back_wrong_labels_and_a_lower_outcome_and_too_little_stays_inconclusive() {
+    let Some(site) = Site::start("gw-field", |m| {
+        copy_test_version(m, "digits-wrong-labels", "2");
+        copy_digits_version(m, "3", false);
+    }) else {
+        return;
+    };
+    let mut fleet = Fleet::connect(&site, "fd").await;
+    let gates = "bake_s=1,min_requests=20,min_agreement=0,min_feedback=30,max_p99_ratio=5,p99_slack_ms=50";
+    let rolled_back =
+        |f: &Fleet, n: usize| f.decisions.iter().filter(|(_, d)| d["action"] == "rolled_back").count() >= n;
+    let field_gate = |decision: &Value, name: &str| {
+        decision["gates"].as_array().unwrap().iter().find(|g| g["gate"] == name).cloned().unwrap()
+    };
+
+    // Every answer's true label comes back.
+    fleet.feedback = Some(|id, _| Some(serde_json::json!({"id": id.to_string(), "label": truth(id)})));
+    site.command(&["rollout", "digits", "2", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| rolled_back(f, 1)).await, "{:#?}", fleet.decisions);
+    let decision = &fleet.decided("rolled_back").unwrap().1;
+    assert!(decision["reason"].as_str().unwrap().starts_with("gate field_accuracy failed"), "{decision}");
+    let accuracy = field_gate(decision, "field_accuracy");
+    assert!(
+        accuracy["candidate"].as_f64().unwrap() < 0.3 && accuracy["stable"].as_f64().unwrap() > 0.8,
+        "{decision}"
+    );
+    assert_eq!(field_gate(decision, "agreement")["result"], "pass", "let through: {decision}");
+    fleet.load_until(Duration::from_millis(300), |_| false).await;
+
+    // A twin, but its devices accept its answers less often: v1's answers
+    // are accepted 7 times in 10, v3's 4 in 10.
+    fleet.feedback = Some(|id, reply| {
+        let accepted = match reply["model_version"].as_str() {
+            Some("3") => id % 10 < 4,
+            _ => id % 10 < 7,
+        };
+        Some(serde_json::json!({"id": id.to_string(), "outcome": f64::from(u8::from(accepted))}))
+    });
+    site.command(&["rollout", "digits", "3", "--steps", "50,100", "--gates", gates]).await.unwrap().unwrap();
+    assert!(fleet.load_until(Duration::from_secs(60), |f| rolled_back(f, 2)).await, "{:#?}", fleet.decisions);
+    let decision = &fleet.decisions.iter().rev().find(|(_, d)| d["action"] == "rolled_back").unwrap().1;
+    assert!(decision["reason"].as_str().unwrap().starts_with("gate field_outcome failed"), "{decision}");
+    assert_eq!(field_gate(decision, "agreement")["result"], "pass", "twins agree: {decision}");
+    let outcome = field_gate(decision, "field_outcome");
+    let (c, s) = (outcome["candidate"].as_f64().unwrap(), outcome["stable"].as_f64().unwrap());
+    assert!((0.25..0.55).contains(&c) && (0.55..0.85).contains(&s), "{decision}");
+    fleet.load_until(Duration::from_millis(300), |_| false).await;
+
+    // Feedback on 5% of the answers, every one saying the candidate was
+    // wrong: after 200 more requests each version has a few, short of 30.
+    fleet.feedback = Some(|id, reply| {
+        let wrong = if reply["model_version"] == "3" { "x" } else { "" };
+        (id % 20 == 0)
+            .then(|| serde_json::json!({"id": id.to_string(), "label": format!("{}{wrong}", truth(id))}))
+    });
+    let from = fleet.sent_at.len();
+    let gates = format!("{gates},max_wait_s=3600");
+    site.command(&["rollout", "digits", "3", "--steps", "50,100", "--gates", &gates]).await.unwrap().unwrap();
+    fleet.load_until(Duration::from_secs(30), |f| f.sent_at.len() >= from + 200).await;
+    fleet.settle().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let status = site.json("/models/status?model=digits").await;
+    let trial = &status[0]["trial"];
+    let gate =
+        |name: &str| trial["gates"].as_array().unwrap().iter().find(|g| g["gate"] == name).cloned().unwrap();
+    assert_eq!(gate("field_accuracy")["result"], "inconclusive", "{status:#}");
+    assert!(gate("field_accuracy")["samples"].as_u64().unwrap() < 30, "{status:#}");
+    assert_eq!(status[0]["candidate"]["version"], "3", "still on trial: {status:#}");
+    fleet.take();
+    assert_eq!(fleet.decisions.last().unwrap().1["action"], "started", "{:#?}", fleet.decisions);
 }
