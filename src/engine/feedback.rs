@@ -16,8 +16,8 @@ use crate::protocol::InferError;
 pub use crate::rollout::FieldQuality;
 use crate::rollout::{FieldSays, FieldSeen, Observer};
 use crate::telemetry::{
-    FEEDBACK, FEEDBACK_ACCURACY, FEEDBACK_ANSWERS_DROPPED, FEEDBACK_ANSWERS_KEPT, FEEDBACK_OUTCOME_MEAN,
-    FEEDBACK_UNJOINED,
+    FEEDBACK, FEEDBACK_ACCURACY, FEEDBACK_ANSWERS_DROPPED, FEEDBACK_ANSWERS_KEPT, FEEDBACK_CORRECT,
+    FEEDBACK_OUTCOME_MEAN, FEEDBACK_UNJOINED,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -453,8 +453,11 @@ impl Owner {
             }
         };
         let labels = [("model", key.0.clone()), ("version", key.1.clone())];
-        metrics::counter!(FEEDBACK, "model" => key.0.clone(), "version" => key.1.clone(), "kind" => kind)
-            .increment(1);
+        let by_kind = [labels[0].clone(), labels[1].clone(), ("kind", kind.to_string())];
+        metrics::counter!(FEEDBACK, &by_kind).increment(1);
+        if correct == Some(true) {
+            metrics::counter!(FEEDBACK_CORRECT, &labels).increment(1);
+        }
         if let Some(accuracy) = figures.accuracy() {
             metrics::gauge!(FEEDBACK_ACCURACY, &labels).set(accuracy);
         }

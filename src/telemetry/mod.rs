@@ -133,6 +133,10 @@ pub const CLOUD_DEGRADED: &str = "edgeinfer_cloud_degraded_total";
 /// Field feedback joined with the answer given, by `model`, `version` and
 /// `kind` (`label` or `outcome`).
 pub const FEEDBACK: &str = "edgeinfer_feedback_total";
+/// Label feedback the answer had right, by `model` and `version`: over
+/// `FEEDBACK{kind="label"}`, the accuracy over any window (unweighted; the
+/// `FEEDBACK_ACCURACY` gauge is weighted, since start).
+pub const FEEDBACK_CORRECT: &str = "edgeinfer_feedback_correct_total";
 /// Feedback not counted, by `reason`: `unknown_id` (no answer with that id
 /// within `feedback.window_s`), `not_here` (on the site's topic: another
 /// node's answer, or none), `duplicate` (that answer had feedback of that
@@ -334,6 +338,7 @@ pub fn install() -> Option<PrometheusHandle> {
         FEEDBACK_UNJOINED,
         "Feedback not counted, by reason: unknown_id, not_here, duplicate, answer_has_no_label, invalid, busy"
     );
+    metrics::describe_counter!(FEEDBACK_CORRECT, "Label feedback the answer had right");
     metrics::describe_gauge!(FEEDBACK_ACCURACY, "Weighted share of label feedback the answer had right");
     metrics::describe_gauge!(FEEDBACK_OUTCOME_MEAN, "Weighted mean outcome reported by devices");
     metrics::describe_gauge!(FEEDBACK_ANSWERS_KEPT, "Answers kept for feedback within feedback.window_s");

@@ -49,13 +49,20 @@ fn metric_names(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every metric the node exports: the names in src/telemetry/mod.rs.
+/// Every metric the node exports: the names in src/telemetry/mod.rs, and
+/// the rollout's own in src/rollout/mod.rs.
 fn exported() -> Vec<String> {
-    let source = std::fs::read_to_string(root().join("src/telemetry/mod.rs")).unwrap();
-    source
-        .lines()
-        .filter(|l| l.starts_with("pub const ") && l.contains(": &str = \"edgeinfer_"))
-        .flat_map(metric_names)
+    ["src/telemetry/mod.rs", "src/rollout/mod.rs"]
+        .iter()
+        .map(|file| std::fs::read_to_string(root().join(file)).unwrap())
+        .flat_map(|source| {
+            let names: Vec<String> = source
+                .lines()
+                .filter(|l| l.starts_with("pub const ") && l.contains(": &str = \"edgeinfer_"))
+                .flat_map(metric_names)
+                .collect();
+            names
+        })
         .collect()
 }
 
@@ -112,6 +119,10 @@ fn the_dashboard_queries_parse_and_name_only_metrics_the_node_exports() {
         .map(|t| t["expr"].as_str().unwrap().to_string())
         .collect();
     assert!(queries.len() >= 20, "{} queries", queries.len());
+    // The annotations (rollout decisions on every panel) too.
+    let annotations = dashboard["annotations"]["list"].as_array().unwrap();
+    assert!(annotations.iter().any(|a| a["name"] == "Rollout decisions"), "{annotations:?}");
+    queries.extend(annotations.iter().map(|a| a["expr"].as_str().unwrap().to_string()));
     queries.push(
         dashboard["templating"]["list"][1]["definition"]
             .as_str()

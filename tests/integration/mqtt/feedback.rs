@@ -128,6 +128,10 @@ async fn feedback_round(port: u16, http_port: u16, node: &str) {
     let total =
         |kind: &str| sample(&metrics, &["edgeinfer_feedback_total{", &labels, &format!("kind=\"{kind}\"")]);
     assert_eq!((total("label"), total("outcome")), (9.0, 4.0), "{metrics}");
+    // Unweighted, for windows in Prometheus: the labels answered right.
+    let right_over_http = usize::from(weight_right > 0.0);
+    let correct = sample(&metrics, &["edgeinfer_feedback_correct_total{", &labels]);
+    assert_eq!(correct, (right + right_over_http) as f64, "{metrics}");
     let accuracy = sample(&metrics, &["edgeinfer_feedback_accuracy{", &labels]);
     assert!((accuracy - wanted_accuracy).abs() < 1e-9, "{accuracy} against {wanted_accuracy}");
     assert_eq!(sample(&metrics, &["edgeinfer_feedback_outcome_mean{", &labels]), 0.5);
