@@ -88,4 +88,14 @@ PATH="$PWD/target/${CARGO_BUILD_TARGET:+$CARGO_BUILD_TARGET/}release:$PATH"
 edgeinfer config check $etc/edgeinfer.toml   # every mistake at once, with the fix
 edgeinfer --config $etc/edgeinfer.toml doctor # config, models, state dir, broker login and
                                               # round trip, systemd limits, clock, Redis, cloud
+step "Feedback and field quality: the first request's answer, joined"
+mosquitto_pub -V 5 -h 127.0.0.1 -p 1883 -t edgeinfer/feedback -m '{"id": "req-17", "label": "1"}'
+reply=$(curl -s localhost:9464/v2/feedback -d '{"id": "req-17", "outcome": 0, "weight": 2}')
+grep -q '"status":"joined"' <<<"$reply" || fail "the feedback did not join: $reply"
+for _ in $(seq 50); do
+    curl -s localhost:9464/metrics | grep -q '^edgeinfer_feedback_total{.*kind="label".*} 1' && break
+    sleep 0.1
+done
+curl -s localhost:9464/metrics | grep -q '^edgeinfer_feedback_total{.*kind="label".*} 1' \
+    || fail "the label on the site's topic was not joined"
 echo "first-hour: every README command worked as written"

@@ -33,6 +33,9 @@ const QUEUE: usize = 4096;
 pub const MAX_FIELD_BYTES: usize = 256;
 /// The largest feedback message read (the fields above and some JSON).
 pub const MAX_MESSAGE_BYTES: usize = 4096;
+/// How much later than its expiry an answer may go, so that answers kept
+/// within one second expire in one wake-up of the owner.
+const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 /// What each kept answer costs beyond its strings: the map and queue
 /// entries, the figures.
 const ENTRY_OVERHEAD: usize = 160;
@@ -344,7 +347,14 @@ impl Owner {
     fn run(mut self, rx: Receiver<Message>) {
         let mut changed = false;
         loop {
-            match rx.recv_timeout(Duration::from_secs(1)) {
+            // Asleep until a message or the oldest answer's expiry (to the
+            // second, so a burst of answers expires in one wake-up): an idle
+            // node with nothing kept does not wake at all.
+            let message = match self.next_expiry(Instant::now()) {
+                None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                Some(wait) => rx.recv_timeout(wait + EXPIRY_SLACK),
+            };
+            match message {
                 Ok(message) => {
                     self.handle(message, Instant::now());
                     // Publish after a burst (a bounded one), not after each message.
@@ -361,6 +371,12 @@ impl Owner {
                 self.publish();
             }
         }
+    }
+
+    /// How long until the oldest kept answer expires; none kept: `None`.
+    fn next_expiry(&self, now: Instant) -> Option<Duration> {
+        let live = self.order.iter().find_map(|(id, seq)| self.kept.get(id).filter(|k| k.seq == *seq))?;
+        Some((live.at + self.bounds.window).saturating_duration_since(now))
     }
 
     fn handle(&mut self, message: Message, now: Instant) {
@@ -390,6 +406,12 @@ impl Owner {
         }
         self.bytes += bytes;
         self.order.push_back((id, self.seq));
+        // An id answered again leaves a stale entry behind: a device that
+        // reuses one id must not grow the queue past the answers kept.
+        if self.order.len() > 2 * self.kept.len() + 1024 {
+            let kept = &self.kept;
+            self.order.retain(|(id, seq)| kept.get(id).is_some_and(|k| k.seq == *seq));
+        }
         while self.kept.len() > self.bounds.max_entries || self.bytes > self.bounds.max_bytes {
             if !self.pop_oldest() {
                 break;
@@ -557,6 +579,12 @@ mod tests {
         o.record("id-4".into(), answer("2", Some("1")), now);
         assert_eq!(o.kept.len(), 3);
         assert_eq!(o.bytes, o.kept.iter().map(|(id, k)| k.answer.bytes(id)).sum::<usize>());
+        // One id answered 100,000 times: one answer, and a bounded queue.
+        for _ in 0..100_000 {
+            o.record("same".into(), answer("1", Some("1")), now);
+        }
+        assert_eq!(o.kept.len(), 3);
+        assert!(o.order.len() <= 2 * o.kept.len() + 1025, "{} entries queued", o.order.len());
         // Bytes: 100,000 distinct ids in a store of 64 KiB.
         let mut o = owner(usize::MAX, 64 * 1024, Duration::from_secs(60));
         for i in 0..100_000 {
