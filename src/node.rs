@@ -158,6 +158,11 @@ impl Node {
             Rollout::start(config.node.state_dir.clone(), config.site.rollout)?;
         let engine = Arc::new(engine.with_rollout(rollout));
         warn_unloaded_pins(&engine);
+        // Rollbacks counted from 0: an alert on `increase` sees the first one.
+        for model in engine.registry().available().into_keys() {
+            let (metric, action) = (crate::rollout::ROLLOUT_DECISIONS, "rolled_back");
+            metrics::counter!(metric, "model" => model, "action" => action).increment(0);
+        }
         crate::lifecycle::start_auto_rollouts_at_start(&engine, &config).await;
         engine.set_config(&config);
         if metrics.is_some() {

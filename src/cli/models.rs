@@ -1,7 +1,8 @@
-//! `edgeinfer models list|verify|profile|compare|status|promote|rollback|rollout`:
+//! `edgeinfer models list|verify|profile|compare|status|ab-report|promote|rollback|rollout`:
 //! what is in the models directory, whether it loads, where its time goes,
 //! which to serve, and which version serves.
 
+mod ab_report;
 mod compare;
 mod deploy;
 
@@ -45,6 +46,15 @@ pub enum ModelsCommand {
     /// recommend the cheapest (lowest p50) that meets --min-accuracy,
     /// --max-p99-ms and --max-agreement-loss. Exits 1 when none does.
     Compare(compare::CompareArgs),
+    /// A/B report from the field: per version, the answers since the node
+    /// started, how many got label or outcome feedback, the accuracy and
+    /// mean outcome with intervals, and each version's difference from the
+    /// baseline (stable) with its interval and whether it is significant at
+    /// --level (two-proportion Agresti-Caffo for accuracy, Welch for the
+    /// outcome; README, "Feedback and field quality"). Asks the running
+    /// node as `models status` does.
+    #[command(name = "ab-report")]
+    AbReport(ab_report::AbReportArgs),
     /// Which version of each model serves (the stable one the deployment
     /// state pins, or the newest), what a rollback would return to, the
     /// versions there are and the last decisions. Asks the running node
@@ -136,6 +146,7 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
     // These need no model loaded.
     let command = match command {
         ModelsCommand::Status { model, target } => return deploy::status(config, model, target),
+        ModelsCommand::AbReport(args) => return ab_report::run(config, args),
         ModelsCommand::Promote { model, version, target } => {
             return deploy::change(config, Change::Promote { model, version }, target);
         }
@@ -158,6 +169,7 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
         ModelsCommand::Verify { iterations } => verify(&registry, iterations),
         ModelsCommand::Compare(args) => compare::run(config, registry, args),
         ModelsCommand::Status { .. }
+        | ModelsCommand::AbReport(_)
         | ModelsCommand::Promote { .. }
         | ModelsCommand::Rollback { .. }
         | ModelsCommand::Rollout { .. } => {

@@ -63,7 +63,11 @@ pub fn keys() -> Vec<Key> {
 fn defaults() -> toml::Value {
     let mut config = Config::default();
     config.models.insert("NAME".into(), ModelConfig::default());
-    toml::Value::try_from(&config).expect("the config serializes")
+    let mut defaults = toml::Value::try_from(&config).expect("the config serializes");
+    // The rollout keys a deployment writes only when set.
+    let rollout = toml::Value::Table(ModelConfig::default().rollout.as_table());
+    defaults["models"]["NAME"]["rollout"] = rollout;
+    defaults
 }
 
 /// `name`'s keys under `prefix`; `defaults` is its table of defaults, if

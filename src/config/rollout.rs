@@ -103,18 +103,39 @@ pub struct RolloutPolicy {
     /// below the threshold may exceed stable's by this.
     pub max_escalation_increase: f64,
     /// Gates `field_accuracy` and `field_outcome` (devices' feedback): the
-    /// least feedback of the kind each version needs in a step; 0 turns
-    /// them off. Off too while neither version has feedback of the kind.
+    /// least feedback of the kind each version needs in a step (effective
+    /// samples: weights count); 0 turns them off. Off too while neither
+    /// version has feedback of the kind, in shadow mode and at a canary's
+    /// 100% step.
+    // The field keys are written only when set: a node from before them
+    // reads a deployment (the state file, the site's) that keeps the
+    // defaults.
+    #[serde(skip_serializing_if = "is_default_min_feedback")]
     pub min_feedback: u64,
     /// Gate `field_accuracy`: the candidate's share of labels right may be
     /// this far below stable's before it fails.
+    #[serde(skip_serializing_if = "is_zero")]
     pub max_accuracy_drop: f64,
     /// Gate `field_outcome`: the candidate's mean outcome may be this far
     /// below stable's before it fails.
+    #[serde(skip_serializing_if = "is_zero")]
     pub max_outcome_drop: f64,
     /// How sure the field gates must be that the candidate is worse before
     /// failing it: 0.9, 0.95 or 0.99 (one-sided).
+    #[serde(skip_serializing_if = "is_default_confidence")]
     pub field_confidence: f64,
+}
+
+fn is_default_min_feedback(v: &u64) -> bool {
+    *v == RolloutPolicy::default().min_feedback
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
+fn is_default_confidence(v: &f64) -> bool {
+    *v == RolloutPolicy::default().field_confidence
 }
 
 impl Default for RolloutPolicy {
@@ -144,7 +165,7 @@ impl RolloutPolicy {
     /// The policy with `models rollout`'s overrides: `steps` as `5,25,100`,
     /// `gates` as `key=value,...` over this table's keys.
     pub fn with_overrides(&self, steps: Option<&str>, gates: Option<&str>) -> Result<RolloutPolicy, String> {
-        let mut table = toml::Table::try_from(self).map_err(|e| e.to_string())?;
+        let mut table = self.as_table();
         if let Some(steps) = steps.filter(|s| !s.is_empty()) {
             table.insert("steps".into(), parse_value("steps", &format!("[{steps}]"))?);
         }
@@ -163,6 +184,21 @@ impl RolloutPolicy {
             table.try_into().map_err(|e: toml::de::Error| format!("--gates: {}", e.message()))?;
         policy.check().map_err(|(key, why)| format!("{key}: {why}"))?;
         Ok(policy)
+    }
+
+    /// Every key with its value, those written only when set included.
+    pub fn as_table(&self) -> toml::Table {
+        let mut table = toml::Table::try_from(self).expect("a policy serializes");
+        let field_keys = [
+            ("min_feedback", toml::Value::Integer(self.min_feedback as i64)),
+            ("max_accuracy_drop", toml::Value::Float(self.max_accuracy_drop)),
+            ("max_outcome_drop", toml::Value::Float(self.max_outcome_drop)),
+            ("field_confidence", toml::Value::Float(self.field_confidence)),
+        ];
+        for (key, value) in field_keys {
+            table.entry(key).or_insert(value);
+        }
+        table
     }
 
     /// The key and what is wrong with it, if any.
@@ -258,6 +294,15 @@ mod tests {
             .with_overrides(Some("10,100"), Some("bake_s=2, min_agreement=0.9"))
             .unwrap();
         assert_eq!((p.steps, p.bake_s, p.min_agreement, p.min_requests), (vec![10, 100], 2, 0.9, 50));
+        // The field gates' keys, though a default policy does not write them.
+        let p = RolloutPolicy::default()
+            .with_overrides(None, Some("min_feedback=30,field_confidence=0.99"))
+            .unwrap();
+        assert_eq!((p.min_feedback, p.field_confidence), (30, 0.99));
+        let written = toml::to_string(&RolloutPolicy::default()).unwrap();
+        assert!(!written.contains("min_feedback"), "an older node reads it: {written}");
+        let err = RolloutPolicy::default().with_overrides(None, Some("min_feedback=10")).unwrap_err();
+        assert!(err.contains("min_feedback") && err.contains("at least 30"), "{err}");
         let err = RolloutPolicy::default().with_overrides(None, Some("bake=2")).unwrap_err();
         assert!(err.contains("\"bake\"") && err.contains("bake_s"), "{err}");
         let err = RolloutPolicy::default().with_overrides(Some("50,25,100"), None).unwrap_err();

@@ -68,7 +68,8 @@ pub struct Answer {
 impl Answer {
     fn bytes(&self, id: &str) -> usize {
         let text = [Some(&self.model), Some(&self.version), self.label.as_ref(), self.config.as_ref()];
-        ENTRY_OVERHEAD + id.len() + text.iter().flatten().map(|s| s.len()).sum::<usize>()
+        // The id twice: the map's key and the queue's.
+        ENTRY_OVERHEAD + 2 * id.len() + text.iter().flatten().map(|s| s.len()).sum::<usize>()
     }
 }
 
@@ -143,8 +144,10 @@ impl Feedback {
         match (&self.label, self.outcome) {
             (Some(label), None) if label.len() > MAX_FIELD_BYTES => Err(long("label", label.len())),
             (Some(label), None) => Ok(Says::Label(label)),
-            (None, Some(outcome)) if outcome.is_finite() => Ok(Says::Outcome(outcome)),
-            (None, Some(outcome)) => Err(Invalid(format!("outcome: {outcome}; use a finite number"))),
+            (None, Some(outcome)) if outcome.abs() <= 1e6 => Ok(Says::Outcome(outcome)),
+            (None, Some(outcome)) => {
+                Err(Invalid(format!("outcome: {outcome}; use a number from -1000000 to 1000000")))
+            }
             (Some(_), Some(_)) => {
                 Err(Invalid("label and outcome: give one of them per message (send two messages)".into()))
             }
@@ -407,11 +410,15 @@ impl Owner {
         figures.answers += 1;
         self.seq += 1;
         let bytes = answer.bytes(&id);
-        let kept = Kept { answer, at: now, seq: self.seq, bytes, had_label: false, had_outcome: false };
-        if let Some(old) = self.kept.insert(id.clone(), kept) {
-            // The same id answered again (a retry): its latest answer counts.
+        let mut kept = Kept { answer, at: now, seq: self.seq, bytes, had_label: false, had_outcome: false };
+        if let Some(old) = self.kept.get(&id) {
+            // The same id answered again (a retry, an async escalation's
+            // final answer): its latest answer counts, and feedback it had
+            // is not counted twice.
+            (kept.had_label, kept.had_outcome) = (old.had_label, old.had_outcome);
             self.bytes -= old.bytes;
         }
+        self.kept.insert(id.clone(), kept);
         self.bytes += bytes;
         self.order.push_back((id, self.seq));
         // An id answered again leaves a stale entry behind: a device that
@@ -445,7 +452,11 @@ impl Owner {
             let live = self.kept.get(id).filter(|k| k.seq == *seq);
             match live {
                 Some(k) if now.duration_since(k.at) < self.bounds.window => break,
-                _ => {
+                // A stale entry: its id was answered again, later.
+                None => {
+                    self.order.pop_front();
+                }
+                Some(_) => {
                     self.pop_oldest();
                 }
             }
@@ -461,31 +472,31 @@ impl Owner {
         let answer = &kept.answer;
         let key = (answer.model.clone(), answer.version.clone());
         let figures = self.figures.get_mut(&key).expect("every kept answer has figures");
-        let (kind, correct) = match says {
+        let (kind, field) = match says {
             Says::Label(_) if kept.had_label => return unjoined("duplicate"),
             Says::Outcome(_) if kept.had_outcome => return unjoined("duplicate"),
             Says::Label(_) if answer.label.is_none() => return unjoined("answer_has_no_label"),
             Says::Label(label) => {
                 kept.had_label = true;
-                let correct = answer.label.as_deref() == Some(label);
-                figures.labels += 1;
-                figures.label_weight += weight;
-                figures.correct_weight += if correct { weight } else { 0.0 };
-                ("label", Some(correct))
+                ("label", FieldSays::Label { correct: answer.label.as_deref() == Some(label) })
             }
             Says::Outcome(outcome) => {
                 kept.had_outcome = true;
-                figures.outcomes += 1;
-                figures.outcome_weight += weight;
-                figures.outcome_sum += weight * outcome;
-                ("outcome", None)
+                ("outcome", FieldSays::Outcome(outcome))
             }
+        };
+        let seen = FieldSeen { model: key.0.clone(), version: key.1.clone(), weight, says: field };
+        figures.figures.record(&seen);
+        let correct = match field {
+            FieldSays::Label { correct } => Some(correct),
+            FieldSays::Outcome(_) => None,
         };
         let labels = [("model", key.0.clone()), ("version", key.1.clone())];
         let by_kind = [labels[0].clone(), labels[1].clone(), ("kind", kind.to_string())];
         metrics::counter!(FEEDBACK, &by_kind).increment(1);
-        if correct == Some(true) {
-            metrics::counter!(FEEDBACK_CORRECT, &labels).increment(1);
+        if let Some(correct) = correct {
+            // Also at 0: all wrong is when the accuracy alert must see it.
+            metrics::counter!(FEEDBACK_CORRECT, &labels).increment(u64::from(correct));
         }
         if let Some(accuracy) = figures.accuracy() {
             metrics::gauge!(FEEDBACK_ACCURACY, &labels).set(accuracy);
@@ -560,7 +571,7 @@ mod tests {
             Joined::Unjoined { reason: "unknown_id" }
         );
         let v1 = &o.figures[&("digits".to_string(), "1".to_string())];
-        assert_eq!((v1.answers, v1.labels, v1.outcomes), (2, 2, 1));
+        assert_eq!((v1.answers, v1.figures.labels, v1.figures.outcomes), (2, 2, 1));
         // Weighted: one right of weight 1, one wrong of weight 3.
         assert_eq!(v1.accuracy(), Some(0.25));
         assert_eq!(v1.mean_outcome(), Some(1.0));
@@ -599,6 +610,21 @@ mod tests {
         }
         assert!(o.bytes <= 64 * 1024 && !o.kept.is_empty(), "{} bytes", o.bytes);
         assert!(o.order.len() <= o.kept.len() + 1, "the order queue is bounded too: {}", o.order.len());
+        // An id answered again leaves its old queue entry first in line:
+        // expiry skips it without taking a live answer along.
+        let mut o = owner(100, 1 << 20, Duration::from_secs(60));
+        for id in ["a", "b", "a"] {
+            o.record(id.into(), answer("1", Some("1")), now);
+        }
+        o.expire(now + Duration::from_secs(1));
+        assert_eq!(o.kept.len(), 2, "{:?}", o.kept.keys().collect::<Vec<_>>());
+        // Feedback before an answer's replacement counts once for the id.
+        assert!(matches!(o.join(&feedback(r#"{"id": "b", "label": "1"}"#)), Joined::Joined { .. }));
+        o.record("b".into(), answer("2", Some("1")), now);
+        assert_eq!(
+            o.join(&feedback(r#"{"id": "b", "label": "1"}"#)),
+            Joined::Unjoined { reason: "duplicate" }
+        );
         // The window: an answer older than it is gone.
         let mut o = owner(100, 1 << 20, Duration::from_secs(60));
         o.record("old".into(), answer("1", Some("1")), now);
@@ -617,6 +643,7 @@ mod tests {
             (r#"{"id": "a", "outcome": 1, "weight": -2}"#, "weight: -2"),
             (r#"{"id": "a", "lable": "1"}"#, "unknown field `lable`"),
             (r#"{"id": "a", "outcome": "yes"}"#, "invalid type"),
+            (r#"{"id": "a", "outcome": 1e200}"#, "from -1000000 to 1000000"),
             ("not json", "JSON object"),
         ];
         for (payload, want) in cases {

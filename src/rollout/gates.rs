@@ -4,7 +4,8 @@
 //! lack of data.
 
 use super::candidate::Candidate;
-use crate::config::{FIELD_CONFIDENCE, RolloutMode, RolloutPolicy};
+use super::field::{FieldFigures, FieldSeen, adjusted, field_worse};
+use crate::config::{RolloutMode, RolloutPolicy};
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -24,105 +25,6 @@ pub struct Seen {
     pub escalates: Option<bool>,
     /// For a comparison run: whether both versions gave the same label.
     pub compared: Compared,
-}
-
-/// Field feedback about an answer a version gave (`engine/feedback.rs`),
-/// counted in the step running when it arrives: feedback comes late.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FieldSeen {
-    pub model: String,
-    pub version: String,
-    pub weight: f64,
-    pub says: FieldSays,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum FieldSays {
-    /// The true label came back: whether the answer had it.
-    Label { correct: bool },
-    /// An outcome (accepted 1 / rejected 0, or any value).
-    Outcome(f64),
-}
-
-/// One version's field feedback over a step, weighted: for a share (the
-/// labels it had right) and for a mean (the outcomes), with what the
-/// tests need, the sums of weights and of squared weights (the effective
-/// sample size, Kish's `(sum w)^2 / sum w^2`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct FieldFigures {
-    pub labels: u64,
-    pub label_w: f64,
-    pub label_w2: f64,
-    pub correct_w: f64,
-    pub outcomes: u64,
-    pub outcome_w: f64,
-    pub outcome_w2: f64,
-    pub outcome_sum: f64,
-    pub outcome_sq: f64,
-}
-
-impl FieldFigures {
-    fn record(&mut self, field: &FieldSeen) {
-        let w = field.weight;
-        match field.says {
-            FieldSays::Label { correct } => {
-                self.labels += 1;
-                (self.label_w, self.label_w2) = (self.label_w + w, self.label_w2 + w * w);
-                self.correct_w += if correct { w } else { 0.0 };
-            }
-            FieldSays::Outcome(x) => {
-                self.outcomes += 1;
-                (self.outcome_w, self.outcome_w2) = (self.outcome_w + w, self.outcome_w2 + w * w);
-                (self.outcome_sum, self.outcome_sq) = (self.outcome_sum + w * x, self.outcome_sq + w * x * x);
-            }
-        }
-    }
-
-    fn add(&mut self, other: &FieldFigures) {
-        self.labels += other.labels;
-        self.label_w += other.label_w;
-        self.label_w2 += other.label_w2;
-        self.correct_w += other.correct_w;
-        self.outcomes += other.outcomes;
-        self.outcome_w += other.outcome_w;
-        self.outcome_w2 += other.outcome_w2;
-        self.outcome_sum += other.outcome_sum;
-        self.outcome_sq += other.outcome_sq;
-    }
-
-    /// The weighted accuracy and its effective sample size.
-    fn accuracy(&self) -> Option<(f64, f64)> {
-        (self.label_w > 0.0).then(|| (self.correct_w / self.label_w, self.label_w.powi(2) / self.label_w2))
-    }
-
-    /// The weighted mean outcome, its variance and effective sample size.
-    fn outcome(&self) -> Option<(f64, f64, f64)> {
-        (self.outcome_w > 0.0).then(|| {
-            let mean = self.outcome_sum / self.outcome_w;
-            let variance = (self.outcome_sq / self.outcome_w - mean * mean).max(0.0);
-            (mean, variance, self.outcome_w.powi(2) / self.outcome_w2)
-        })
-    }
-}
-
-/// Whether the candidate is worse than stable by more than `drop`, at
-/// `confidence`: the one-sided bound of (candidate - stable + drop) is
-/// below 0. Shares by a two-proportion test with the Agresti-Caffo
-/// adjustment (one success and one failure added to each side, so a side
-/// at 0 or 1 still has a variance); means by Welch's unpooled variances
-/// with the normal quantile (`min_feedback` is at least 30 samples).
-fn field_worse(candidate: (f64, f64, f64), stable: (f64, f64, f64), drop: f64, confidence: f64) -> bool {
-    let z = FIELD_CONFIDENCE.iter().find(|(c, _)| (c - confidence).abs() < 1e-9).map_or(1.6449, |q| q.1);
-    let [(mc, vc, nc), (ms, vs, ns)] = [candidate, stable];
-    let se = (vc / nc + vs / ns).sqrt();
-    let d = mc - ms + drop;
-    if se == 0.0 { d < 0.0 } else { d / se < -z }
-}
-
-/// Agresti-Caffo: a share `p` of `n` as one more success and one more failure.
-fn adjusted(p: f64, n: f64) -> (f64, f64, f64) {
-    let (n, p) = (n + 2.0, (p * n + 1.0) / (n + 2.0));
-    (p, p * (1.0 - p), n)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -393,12 +295,17 @@ impl Window {
     fn field_gates(&self, policy: &RolloutPolicy) -> [Gate; 2] {
         let [s, c] = &self.field;
         let need = policy.min_feedback;
-        let judge = |counts: [u64; 2], worse: Option<bool>| match (need, counts, worse) {
+        // The samples are effective ones (Kish): one message of a huge
+        // weight is one sample, not a thousand.
+        let judge = |counts: [u64; 2], effective: f64, worse: Option<bool>| match (need, counts, worse) {
             (0, ..) | (_, [0, 0], _) => GateResult::Off,
-            (_, [a, b], _) if a.min(b) < need => GateResult::Inconclusive,
+            _ if effective < need as f64 => GateResult::Inconclusive,
             (_, _, Some(true)) => GateResult::Fail,
             _ => GateResult::Pass,
         };
+        let effective = |a: Option<f64>, b: Option<f64>| a.unwrap_or(0.0).min(b.unwrap_or(0.0));
+        let labels_n = effective(c.accuracy().map(|a| a.1), s.accuracy().map(|a| a.1));
+        let outcomes_n = effective(c.outcome().map(|o| o.2), s.outcome().map(|o| o.2));
         let confidence = policy.field_confidence;
         let accuracy_worse = match (c.accuracy(), s.accuracy()) {
             (Some((pc, nc)), Some((ps, ns))) => {
@@ -414,20 +321,20 @@ impl Window {
         [
             Gate {
                 gate: "field_accuracy".into(),
-                result: judge([c.labels, s.labels], accuracy_worse),
+                result: judge([c.labels, s.labels], labels_n, accuracy_worse),
                 candidate: c.accuracy().map(|a| a.0),
                 stable: s.accuracy().map(|a| a.0),
                 limit: at(policy.max_accuracy_drop),
-                samples: c.labels.min(s.labels),
+                samples: labels_n.floor() as u64,
                 needed: need,
             },
             Gate {
                 gate: "field_outcome".into(),
-                result: judge([c.outcomes, s.outcomes], outcome_worse),
+                result: judge([c.outcomes, s.outcomes], outcomes_n, outcome_worse),
                 candidate: c.outcome().map(|o| o.0),
                 stable: s.outcome().map(|o| o.0),
                 limit: at(policy.max_outcome_drop),
-                samples: c.outcomes.min(s.outcomes),
+                samples: outcomes_n.floor() as u64,
                 needed: need,
             },
         ]
@@ -514,6 +421,17 @@ impl Window {
     }
 
     pub fn trial(&self, model: &str, candidate: &Candidate) -> Trial {
+        let mut gates = self.gates(&candidate.policy);
+        // Devices see no answer of the candidate in shadow mode, and none of
+        // stable at a canary's 100% step: feedback cannot compare the two
+        // there, so the field gates wait on nothing (a failure found on the
+        // feedback that still comes in stands).
+        if candidate.mode == RolloutMode::Shadow || candidate.share() == 100 {
+            for g in gates.iter_mut().filter(|g| g.gate.starts_with("field_") && g.result != GateResult::Fail)
+            {
+                g.result = GateResult::Off;
+            }
+        }
         Trial {
             model: model.into(),
             version: candidate.version.clone(),
@@ -523,7 +441,7 @@ impl Window {
             steps: if candidate.mode == RolloutMode::Canary { candidate.policy.steps.len() } else { 1 },
             step_started_s: candidate.step_started_s,
             held: candidate.held.clone(),
-            gates: self.gates(&candidate.policy),
+            gates,
             stable: self.stable.summary(),
             candidate: self.candidate.summary(),
             compared: self.compared,
@@ -603,6 +521,7 @@ pub fn verdict(candidate: &Candidate, gates: Vec<Gate>, now_s: u64) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rollout::field::FieldSays;
 
     fn candidate(policy: RolloutPolicy) -> Candidate {
         Candidate {
@@ -725,6 +644,36 @@ mod tests {
             w.record_field(&label("1", i % 100 < 88), false);
         }
         assert_eq!(by_name(&w.gates(&c.policy), "field_accuracy").result, GateResult::Pass);
+        // Shadow mode and a canary's 100% step: devices see one version
+        // only, so feedback cannot compare; off, unless it found a failure.
+        let mut sparse = quiet_window(20);
+        sparse.record_field(&label("1", true), false);
+        for (mode, step, want) in [
+            (RolloutMode::Shadow, 0, GateResult::Off),
+            (RolloutMode::Canary, 3, GateResult::Off),
+            (RolloutMode::Canary, 0, GateResult::Inconclusive),
+        ] {
+            let c = Candidate { mode, step, ..candidate(RolloutPolicy { min_feedback: 50, ..policy() }) };
+            let trial = sparse.trial("digits", &c);
+            assert_eq!(by_name(&trial.gates, "field_accuracy").result, want, "{mode:?} step {step}");
+        }
+        let c = Candidate { step: 3, ..candidate(RolloutPolicy { min_feedback: 50, ..policy() }) };
+        let mut worse = quiet_window(20);
+        for _ in 0..60 {
+            worse.record_field(&label("2", false), true);
+            worse.record_field(&label("1", true), false);
+        }
+        assert_eq!(by_name(&worse.trial("digits", &c).gates, "field_accuracy").result, GateResult::Fail);
+        // One message of weight 1,000,000 among 99 of weight 1 is about one
+        // effective sample, not a hundred: inconclusive, not a rollback.
+        let c = candidate(RolloutPolicy { min_feedback: 50, ..policy() });
+        let mut heavy = quiet_window(20);
+        for i in 0..100 {
+            let (x, weight) = if i == 0 { (0.0, 1e6) } else { (1.0, 1.0) };
+            heavy.record_field(&FieldSeen { weight, ..outcome("2", x) }, true);
+            heavy.record_field(&outcome("1", 1.0), false);
+        }
+        assert_eq!(by_name(&heavy.gates(&c.policy), "field_outcome").result, GateResult::Inconclusive);
         // min_feedback = 0 turns them off.
         let c = candidate(RolloutPolicy { min_feedback: 0, ..policy() });
         assert_eq!(by_name(&w.gates(&c.policy), "field_accuracy").result, GateResult::Off);

@@ -19,7 +19,8 @@ pub mod state;
 
 pub use candidate::Candidate;
 pub use field::FieldQuality;
-pub use gates::{Compared, FieldSays, FieldSeen, Gate, GateResult, Seen, Trial, Verdict};
+pub use field::{FieldFigures, FieldSays, FieldSeen};
+pub use gates::{Compared, Gate, GateResult, Seen, Trial, Verdict};
 pub use plan::Plan;
 pub use site::{SiteIn, SiteOut, StepFigures};
 pub use state::{

@@ -42,6 +42,11 @@ pub struct Target {
 }
 
 impl Target {
+    /// `--via-mqtt`'s target, for the other model commands.
+    pub fn via_mqtt_target(&self) -> Option<ViaMqtt> {
+        self.via_mqtt()
+    }
+
     fn via_mqtt(&self) -> Option<ViaMqtt> {
         self.via_mqtt.then(|| ViaMqtt {
             node: self.node.clone(),
@@ -130,7 +135,7 @@ fn print_model(m: &ModelReport) {
         let mean = q.mean_outcome().map_or("-".into(), |o| format!("{o:.4}"));
         println!(
             "    field v{}: {} answers; accuracy {accuracy} ({} labels), mean outcome {mean} ({} outcomes)",
-            q.version, q.answers, q.labels, q.outcomes
+            q.version, q.answers, q.figures.labels, q.figures.outcomes
         );
     }
     for d in m.history.iter().rev().take(5) {

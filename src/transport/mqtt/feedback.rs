@@ -2,8 +2,9 @@
 //! default): field feedback about the node's answers (`engine/feedback.rs`).
 //! A message that asks for a reply (an MQTT 5 Response Topic, or the
 //! payload's `reply_to`) gets one: what became of it, or the error naming
-//! the field and the fix; on the site's topic only the node that answered
-//! the request replies.
+//! the field and the fix; on the site's topic only the node that joined it
+//! replies (a message there that joins nowhere gets no reply: send it to
+//! `PREFIX/NODE/feedback` for the error).
 
 use super::outbox::Reply;
 use super::topics::Topics;
@@ -36,8 +37,9 @@ impl FeedbackTask {
         let destination = props.response_topic.clone().or(reply_to)?;
         self.topics.check_reply(&destination).ok()?;
         let (id, body) = match taken {
-            // Another node's answer: that node replies.
-            Ok((_, Joined::Unjoined { reason: "not_here" })) => return None,
+            // On the site's topic every node reads the message: only the one
+            // that joined it replies, or a device would get one reply a node.
+            Ok((_, Joined::Unjoined { .. })) | Err(_) if addressed == Addressed::Site => return None,
             Ok((id, joined)) => {
                 let body = feedback::reply_body(&id, &joined);
                 (id, body)

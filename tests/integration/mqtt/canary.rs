@@ -593,3 +593,45 @@ async fn field_feedback_rolls_back_wrong_labels_and_a_lower_outcome_and_too_litt
     fleet.take();
     assert_eq!(fleet.decisions.last().unwrap().1["action"], "started", "{:#?}", fleet.decisions);
 }
+
+/// Issue 40: an A/B split with devices reporting a simulated business
+/// outcome (v1's answers accepted with probability 0.7, its twin v3's with
+/// 0.4) and true labels; `models ab-report` on the run gives intervals
+/// that contain the true differences: -0.3 for the outcome (significant),
+/// 0 for the accuracy of twins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ab_report_intervals_contain_the_true_simulated_difference() {
+    let Some(site) = Site::start("gw-abr", |m| copy_digits_version(m, "3", false)) else { return };
+    let mut fleet = Fleet::connect(&site, "ar").await;
+    fleet.feedback = Some(|id, reply| {
+        if id % 2 == 1 {
+            return Some(serde_json::json!({"id": id.to_string(), "label": truth(id)}));
+        }
+        let p = if reply["model_version"] == "3" { 0.4 } else { 0.7 };
+        let accepted = fastrand::Rng::with_seed(id as u64).f64() < p;
+        Some(serde_json::json!({"id": id.to_string(), "outcome": f64::from(u8::from(accepted))}))
+    });
+    let gates = "bake_s=0,min_requests=5,max_wait_s=3600";
+    site.command(&["rollout", "digits", "3", "--mode", "ab", "--gates", gates]).await.unwrap().unwrap();
+    fleet.load_until(Duration::from_secs(60), |f| f.sent_at.len() >= 1600).await;
+    fleet.settle().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let report = site.command(&["ab-report", "digits"]).await.unwrap().unwrap();
+    assert_eq!(
+        (report["baseline"].as_str(), report["level"].as_f64()),
+        (Some("1"), Some(0.95)),
+        "{report:#}"
+    );
+    let v3 = report["versions"].as_array().unwrap().iter().find(|v| v["version"] == "3").unwrap();
+    let within =
+        |i: &Value, truth: f64| i["low"].as_f64().unwrap() <= truth && truth <= i["high"].as_f64().unwrap();
+    let outcome = &v3["outcome_difference"];
+    assert!(within(outcome, -0.3) && !within(outcome, 0.0), "outcome: {report:#}");
+    assert!(within(&v3["accuracy_difference"], 0.0), "accuracy of twins: {report:#}");
+    let answered = fleet.replies.values().filter(|r| r[0]["model_version"] == "3").count() as u64;
+    assert_eq!(v3["answers"].as_u64(), Some(answered), "{report:#}");
+    assert!(v3["outcomes"].as_u64().unwrap() > 300 && v3["labels"].as_u64().unwrap() > 300, "{report:#}");
+    // A level it has not, named.
+    let err = site.command(&["ab-report", "digits", "--level", "0.8"]).await.unwrap().unwrap_err();
+    assert!(err.contains("--level 0.8") && err.contains("0.95"), "{err}");
+}

@@ -1,0 +1,82 @@
+//! `edgeinfer models ab-report NAME`: each version's answers, feedback
+//! coverage, field accuracy and mean outcome with intervals, and each one's
+//! difference from the baseline (stable) with its interval, read from the
+//! running node's field figures (feedback since it started).
+
+use super::deploy::Target;
+use anyhow::Result;
+use clap::Args;
+use edgeinfer::admin;
+use edgeinfer::config::Config;
+use edgeinfer::rollout::field::{AbReport, Interval};
+
+#[derive(Args)]
+pub struct AbReportArgs {
+    /// The model.
+    pub model: String,
+    /// The confidence level of the intervals: 0.9, 0.95 or 0.99. A
+    /// difference whose interval excludes 0 is significant at it.
+    #[arg(long, default_value_t = 0.95)]
+    pub level: f64,
+    /// The version the others are compared with; default the stable one
+    /// (the one serving).
+    #[arg(long)]
+    pub baseline: Option<String>,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+pub fn run(config: &Config, args: AbReportArgs) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (reports, source) = match args.target.via_mqtt_target() {
+        Some(via) => rt.block_on(admin::models_status_via_mqtt(config, &via, Some(&args.model)))?,
+        None => rt.block_on(admin::models_status(config, args.target.url.as_deref(), Some(&args.model)))?,
+    };
+    let Some(m) = reports.iter().find(|r| r.model == args.model) else {
+        anyhow::bail!("the {source} has no model {}", args.model);
+    };
+    let baseline = args.baseline.clone().unwrap_or_else(|| m.serving.clone());
+    let report = AbReport::new(&args.model, &m.field_quality, &baseline, args.level)?;
+    if args.target.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(0);
+    }
+    print(&report, &source.to_string());
+    Ok(0)
+}
+
+fn print(report: &AbReport, source: &str) {
+    println!(
+        "field quality of {} on the {source}, since it started; intervals at {}, differences against v{}",
+        report.model, report.level, report.baseline
+    );
+    let share = |s: Option<f64>| s.map_or("-".into(), |s| format!("{:.1}%", s * 100.0));
+    let interval = |i: Option<Interval>| {
+        i.map_or("-".into(), |i| format!("{:.4} [{:.4}, {:.4}]", i.estimate, i.low, i.high))
+    };
+    let difference = |i: Option<Interval>| {
+        i.map_or("-".into(), |i| {
+            let verdict = if i.excludes_zero() { "significant" } else { "not significant" };
+            format!("{:+.4} [{:+.4}, {:+.4}] {verdict}", i.estimate, i.low, i.high)
+        })
+    };
+    for v in &report.versions {
+        println!("  v{}: {} answers", v.version, v.answers);
+        println!(
+            "    accuracy      {} ({} labels, {} of answers); vs v{}: {}",
+            interval(v.accuracy),
+            v.labels,
+            share(v.label_coverage),
+            report.baseline,
+            difference(v.accuracy_difference)
+        );
+        println!(
+            "    mean outcome  {} ({} outcomes, {} of answers); vs v{}: {}",
+            interval(v.mean_outcome),
+            v.outcomes,
+            share(v.outcome_coverage),
+            report.baseline,
+            difference(v.outcome_difference)
+        );
+    }
+}
