@@ -117,10 +117,13 @@ async fn feedback_round(port: u16, http_port: u16, node: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let metrics = loop {
         let metrics = scrape(http_port);
+        // The store takes feedback in batches: the site's messages may
+        // still be on their way.
         let outcomes = metrics
             .lines()
             .any(|l| l.starts_with("edgeinfer_feedback_total") && l.contains("outcome") && l.ends_with(" 4"));
-        if outcomes || std::time::Instant::now() > deadline {
+        let elsewhere = metrics.lines().any(|l| l.contains("\"not_here\""));
+        if (outcomes && elsewhere) || std::time::Instant::now() > deadline {
             break metrics;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
