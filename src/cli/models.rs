@@ -51,7 +51,7 @@ pub enum ModelsCommand {
     /// mean outcome with intervals, and each version's difference from the
     /// baseline (stable) with its interval and whether it is significant at
     /// --level (two-proportion Agresti-Caffo for accuracy, Welch for the
-    /// outcome; README, "Feedback and field quality"). Asks the running
+    /// outcome; docs/FEEDBACK.md). Asks the running
     /// node as `models status` does.
     #[command(name = "ab-report")]
     AbReport(ab_report::AbReportArgs),

@@ -3,7 +3,7 @@
 //! answered right) and a mean (the outcomes), and the statistics the field
 //! gates (`gates.rs`) and `models ab-report` draw from them.
 //!
-//! Why these tests (README, "Feedback and field quality"): the share of
+//! Why these tests (docs/FEEDBACK.md): the share of
 //! labels right is a proportion per version, compared with the unpooled
 //! two-proportion variance after the Agresti-Caffo adjustment (one success
 //! and one failure added to each side), which keeps its coverage near the
@@ -247,7 +247,7 @@ pub enum AbReportError {
     Level(String),
     #[error(
         "no field feedback for {0} on this node since it started: devices send it on PREFIX/feedback \
-         or POST /v2/feedback (README, \"Feedback and field quality\"); a node that is not running has none"
+         or POST /v2/feedback (docs/FEEDBACK.md); a node that is not running has none"
     )]
     NoFeedback(String),
     #[error("version {version} of {model} has no answers here; versions with some: {known}")]

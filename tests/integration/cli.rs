@@ -373,7 +373,24 @@ fn man_pages_and_help_cover_every_command() {
     }
     for page in &pages {
         let words: Vec<&str> = page.trim_end_matches(".1").split('-').skip(1).collect();
-        let mut args = words.clone();
+        // A command's own name may hold a dash (`models ab-report`): each
+        // level takes the fewest words that name a command.
+        let mut commands: Vec<String> = Vec::new();
+        let mut at = 0;
+        while at < words.len() {
+            let next = (at + 1..=words.len())
+                .find(|&end| {
+                    let mut args: Vec<String> = commands.clone();
+                    args.extend([words[at..end].join("-"), "--help".into()]);
+                    edgeinfer(&args.iter().map(String::as_str).collect::<Vec<_>>(), None, &[])
+                        .status
+                        .success()
+                })
+                .unwrap_or_else(|| panic!("{page}: no command named by {:?}", &words[at..]));
+            commands.push(words[at..next].join("-"));
+            at = next;
+        }
+        let mut args: Vec<&str> = commands.iter().map(String::as_str).collect();
         args.push("--help");
         let help = edgeinfer(&args, None, &[]);
         let text = String::from_utf8_lossy(&help.stdout);
