@@ -16,6 +16,7 @@ pub mod lifecycle;
 pub mod model;
 pub mod node;
 pub mod protocol;
+pub mod report;
 pub mod rollout;
 pub mod store;
 pub mod telemetry;

@@ -10,6 +10,7 @@
 //! what each version answered (`Rollout::observe`); once a second the
 //! thread judges each rollout's step on those figures.
 
+pub mod ab_report;
 pub mod candidate;
 pub mod field;
 pub mod gates;

@@ -452,29 +452,6 @@ fn models_profile_reports_kernels_and_our_integer_ops_by_node() {
     assert_eq!(text.matches("edgeinfer.QDense").count(), 2, "{text}");
 }
 
-/// Chromium, where this machine has it (Debian's `chromium`).
-fn chromium() -> Option<std::path::PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
-        .find(|p| p.is_file())
-}
-
-/// Runs headless Chromium on `url` with `args`, in a new empty profile and
-/// without the background connections a closed network refuses.
-fn headless(chromium: &std::path::Path, profile: &std::path::Path, args: &[&str], url: &str) -> Output {
-    let out = Command::new(chromium)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
-        .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(args)
-        .arg(url)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "chromium {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    out
-}
-
 #[test]
 fn models_compare_writes_a_report_that_chromium_renders_with_its_charts_and_recommendation() {
     let dir = tempfile::tempdir().unwrap();
@@ -504,7 +481,7 @@ fn models_compare_writes_a_report_that_chromium_renders_with_its_charts_and_reco
         assert!(page.contains(id), "no {id} in the page");
     }
 
-    let Some(chromium) = chromium() else {
+    let Some(chromium) = crate::chromium() else {
         return crate::skipped(
             "chromium is not installed (apt-get install chromium): the report is not rendered",
         );
@@ -512,14 +489,14 @@ fn models_compare_writes_a_report_that_chromium_renders_with_its_charts_and_reco
     let url = format!("file://{}", report.join("index.html").display());
     let profile = dir.path().join("profile");
     // The page as Chromium parsed it: both charts are in its DOM.
-    let dom = headless(&chromium, &profile, &["--dump-dom"], &url);
+    let dom = crate::headless(&chromium, &profile, &["--dump-dom"], &url);
     let dom = String::from_utf8_lossy(&dom.stdout);
     assert_eq!(dom.matches("<svg").count(), 2, "{dom}");
     assert!(dom.contains("<circle"), "the scatter's points");
     // The screenshot shows them: the recommendation's green band, the
     // Pareto front's blue line and the green ring round the chosen model.
     let shot = dir.path().join("report.png");
-    headless(
+    crate::headless(
         &chromium,
         &profile,
         &["--window-size=1100,1500", "--hide-scrollbars", &format!("--screenshot={}", shot.display())],

@@ -54,3 +54,31 @@ pub fn digits_request(id: &str, rows: &[Vec<f64>]) -> serde_json::Value {
         "inputs": [{"name": "input", "shape": [rows.len(), 64], "datatype": "FP32", "data": data}]
     })
 }
+
+/// Chromium, where this machine has it (Debian's `chromium`).
+pub fn chromium() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// Runs headless Chromium on `url` with `args`, in a new empty profile and
+/// without the background connections a closed network refuses.
+pub fn headless(
+    chromium: &std::path::Path,
+    profile: &std::path::Path,
+    args: &[&str],
+    url: &str,
+) -> std::process::Output {
+    let out = std::process::Command::new(chromium)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"])
+        .args(["--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chromium {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out
+}

@@ -4,11 +4,12 @@
 //! running node's field figures (feedback since it started).
 
 use super::deploy::Target;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use edgeinfer::admin;
 use edgeinfer::config::Config;
-use edgeinfer::rollout::field::{AbReport, Interval};
+use edgeinfer::rollout::ab_report::AbReport;
+use edgeinfer::rollout::field::Interval;
 
 #[derive(Args)]
 pub struct AbReportArgs {
@@ -22,6 +23,10 @@ pub struct AbReportArgs {
     /// (the one serving).
     #[arg(long)]
     pub baseline: Option<String>,
+    /// Also write DIR/index.html: one self-contained page (no external
+    /// files) with the tables and a chart of each version's differences.
+    #[arg(long, value_name = "DIR")]
+    pub report: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub target: Target,
 }
@@ -37,6 +42,12 @@ pub fn run(config: &Config, args: AbReportArgs) -> Result<i32> {
     };
     let baseline = args.baseline.clone().unwrap_or_else(|| m.serving.clone());
     let report = AbReport::new(&args.model, &m.field_quality, &baseline, args.level)?;
+    if let Some(dir) = &args.report {
+        std::fs::create_dir_all(dir).with_context(|| format!("--report {}: creating it", dir.display()))?;
+        let page = dir.join("index.html");
+        std::fs::write(&page, report.html()).with_context(|| format!("writing {}", page.display()))?;
+        eprintln!("report: {}", page.display());
+    }
     if args.target.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(0);

@@ -1,10 +1,11 @@
-//! `models compare --report DIR`: one self-contained HTML page (no
-//! external assets, so it opens from a USB stick on a site laptop) with the
-//! recommendation, the figures, and two SVG charts drawn with plotters:
+//! `models compare --report DIR`: one self-contained HTML page
+//! (`crate::report`) with the recommendation, the figures, and two SVG
+//! charts:
 //! tail latency against quality with the Pareto front, and the latency
 //! distribution of every candidate.
 
 use super::{Candidate, Comparison, share_text};
+use crate::report::{STYLE, escape, svg_chart};
 use plotters::prelude::*;
 use std::fmt::Write;
 
@@ -61,11 +62,6 @@ pub fn html(comparison: &Comparison) -> String {
     page.push_str("</section>\n</body></html>\n");
     page
 }
-
-const STYLE: &str = "body{font-family:sans-serif;margin:2em;max-width:72em;color:#222}\
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:.3em .6em;text-align:right}\
-td:first-child,th:first-child{text-align:left}.chosen{background:#e6f4ea;padding:.5em}\
-.none{background:#fdecea;padding:.5em}figure{margin:1.5em 0}figcaption{color:#555}";
 
 fn figures(c: &Comparison) -> String {
     let top_k = c.candidates.first().map_or(0, |m| m.top_k);
@@ -142,9 +138,6 @@ pub fn pareto_front(points: &[(f64, f64)]) -> Vec<usize> {
         })
         .collect()
 }
-
-const WIDTH: u32 = 760;
-const HEIGHT: u32 = 420;
 
 fn pareto_svg(c: &Comparison) -> String {
     let points: Vec<(f64, f64, String)> =
@@ -242,62 +235,6 @@ fn distribution_svg(c: &Comparison) -> String {
     })
 }
 
-/// One chart as SVG: the frame with `title` over the ranges `x` and `y`,
-/// what `draw` puts in it, then the legend of its labelled series. A chart
-/// that cannot be drawn is a sentence saying why.
-fn svg_chart(
-    title: &str,
-    x: std::ops::Range<f64>,
-    y: std::ops::Range<f64>,
-    draw: impl FnOnce(&mut Chart<'_, '_>) -> Result<(), Box<dyn std::error::Error>>,
-) -> String {
-    let mut svg = String::new();
-    let drawn = (|| -> Result<(), Box<dyn std::error::Error>> {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d(x, y)?;
-        draw(&mut chart)?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    })();
-    drawn
-        .map(|()| svg)
-        .unwrap_or_else(|e| format!("<p>The chart could not be drawn: {}</p>", escape(&e.to_string())))
-}
-
-type Chart<'a, 'b> = ChartContext<
-    'a,
-    SVGBackend<'b>,
-    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
->;
-
-/// Text as HTML, so a model or file name cannot break the page.
-fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for ch in text.chars() {
-        match ch {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            _ => out.push(ch),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,10 +247,5 @@ mod tests {
         assert_eq!(pareto_front(&[]), Vec::<usize>::new());
         // A tie on latency: the better one is on the front, the other not.
         assert_eq!(pareto_front(&[(5.0, 0.9), (5.0, 0.95)]), [1]);
-    }
-
-    #[test]
-    fn names_in_the_page_are_escaped() {
-        assert_eq!(escape("<a href=\"x\">&'"), "&lt;a href=&quot;x&quot;&gt;&amp;&#39;");
     }
 }

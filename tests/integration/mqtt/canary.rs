@@ -616,7 +616,10 @@ async fn ab_report_intervals_contain_the_true_simulated_difference() {
     fleet.load_until(Duration::from_secs(60), |f| f.sent_at.len() >= 1600).await;
     fleet.settle().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let report = site.command(&["ab-report", "digits"]).await.unwrap().unwrap();
+    let pages = tempfile::tempdir().unwrap();
+    let dir = pages.path().join("report");
+    let report =
+        site.command(&["ab-report", "digits", "--report", dir.to_str().unwrap()]).await.unwrap().unwrap();
     assert_eq!(
         (report["baseline"].as_str(), report["level"].as_f64()),
         (Some("1"), Some(0.95)),
@@ -634,4 +637,26 @@ async fn ab_report_intervals_contain_the_true_simulated_difference() {
     // A level it has not, named.
     let err = site.command(&["ab-report", "digits", "--level", "0.8"]).await.unwrap().unwrap_err();
     assert!(err.contains("--level 0.8") && err.contains("0.95"), "{err}");
+
+    // The page: self-contained, both tables, a chart a kind, each verdict.
+    let page = std::fs::read_to_string(dir.join("index.html")).unwrap();
+    for outside in ["<script", "<link", " src=", "<img", "url("] {
+        assert!(!page.contains(outside), "the report refers to an outside file ({outside})");
+    }
+    let outcome = page.split("<section id=\"outcome\">").nth(1).unwrap().split("</section>").next().unwrap();
+    assert!(outcome.contains("<td>v3</td>") && outcome.contains(" significant</td>"), "{outcome}");
+    let accuracy =
+        page.split("<section id=\"accuracy\">").nth(1).unwrap().split("</section>").next().unwrap();
+    assert!(accuracy.contains("not significant</td>"), "{accuracy}");
+    assert_eq!(page.matches("<svg").count(), 2, "a chart a kind");
+    let Some(chromium) = crate::chromium() else {
+        return crate::skipped(
+            "chromium is not installed (apt-get install chromium): the report is not rendered",
+        );
+    };
+    let url = format!("file://{}", dir.join("index.html").display());
+    let dom = crate::headless(&chromium, &pages.path().join("profile"), &["--dump-dom"], &url);
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert_eq!(dom.matches("<svg").count(), 2, "{dom}");
+    assert!(dom.contains("<circle") && dom.contains("difference from v1"), "the charts' points and titles");
 }
