@@ -33,7 +33,14 @@ pub fn run(source: &ReloadSource, command: ConfigCommand) -> Result<i32> {
     match command {
         ConfigCommand::Check { file } => Ok(check(file.or_else(|| source.config_file.clone()), source)),
         ConfigCommand::Print => {
-            print!("{}", toml::to_string(&source.load()?)?);
+            let config = source.load()?;
+            let mut shown = toml::Value::try_from(&config)?;
+            // Every default, the rollout keys a deployment writes only when
+            // set included.
+            for (name, model) in &config.models {
+                shown["models"][name.as_str()]["rollout"] = toml::Value::Table(model.rollout.as_table());
+            }
+            print!("{}", toml::to_string(&shown)?);
             Ok(0)
         }
         ConfigCommand::Reference => {

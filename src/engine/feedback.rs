@@ -135,11 +135,9 @@ impl Feedback {
             return Err(long("id", self.id.len()));
         }
         if let Some(w) = self.weight
-            && !(w.is_finite() && w > 0.0 && w <= 1e6)
+            && !(1e-6..=1e6).contains(&w)
         {
-            return Err(Invalid(format!(
-                "weight: {w}; use a number above 0 and at most 1000000 (default 1)"
-            )));
+            return Err(Invalid(format!("weight: {w}; use a number from 0.000001 to 1000000 (default 1)")));
         }
         match (&self.label, self.outcome) {
             (Some(label), None) if label.len() > MAX_FIELD_BYTES => Err(long("label", label.len())),
@@ -640,6 +638,7 @@ mod tests {
             (r#"{"id": "a"}"#, "label or outcome"),
             (r#"{"id": "a", "label": "1", "outcome": 1}"#, "one of them"),
             (r#"{"id": "a", "outcome": 1, "weight": 0}"#, "weight: 0"),
+            (r#"{"id": "a", "outcome": 1, "weight": 1e-200}"#, "from 0.000001"),
             (r#"{"id": "a", "outcome": 1, "weight": -2}"#, "weight: -2"),
             (r#"{"id": "a", "lable": "1"}"#, "unknown field `lable`"),
             (r#"{"id": "a", "outcome": "yes"}"#, "invalid type"),

@@ -2,7 +2,7 @@
 //! difference from a baseline (stable) with its interval, and whether that
 //! is significant; as text, JSON or one HTML page (`crate::report`).
 
-use super::field::{FieldQuality, Interval, two_sided};
+use super::field::{FieldQuality, Interval, MIN_FOR_INTERVAL, two_sided};
 use crate::report::{STYLE, escape, svg_chart};
 use plotters::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -158,7 +158,10 @@ impl AbReport {
         let rows: Vec<(String, Interval)> =
             self.versions.iter().filter_map(|v| Some((format!("v{}", v.version), kind(v).3?))).collect();
         if rows.is_empty() {
-            return "<p>No version besides the baseline has feedback of this kind.</p>".into();
+            return format!(
+                "<p>No difference to chart: the baseline and another version each need {MIN_FOR_INTERVAL} \
+                 pieces of feedback of this kind.</p>"
+            );
         }
         let reach = rows.iter().map(|(_, i)| i.low.abs().max(i.high.abs())).fold(0.0, f64::max) * 1.2 + 1e-3;
         let height = rows.len() as f64;
@@ -280,6 +283,28 @@ mod tests {
         if let Ok(path) = std::env::var("EDGEINFER_AB_REPORT_PAGE") {
             std::fs::write(path, &page).unwrap();
         }
+    }
+
+    /// Too few to say gives no interval, so one against one is never
+    /// "significant"; an all-right version's interval stays within 1; a
+    /// node from before the squared weights counts its messages.
+    #[test]
+    fn small_samples_get_no_interval_and_shares_stay_within_0_and_1() {
+        let mut rng = fastrand::Rng::with_seed(9);
+        let few = [quality("1", 1.0, 1.0, 1, &mut rng), quality("2", 0.0, 0.0, 1, &mut rng)];
+        let report = AbReport::new("digits", &few, "1", 0.95).unwrap();
+        let v2 = report.versions.iter().find(|v| v.version == "2").unwrap();
+        assert_eq!((v2.outcome_difference, v2.accuracy_difference, v2.mean_outcome), (None, None, None));
+        assert!(report.html().contains("No difference to chart"));
+        let all_right = [quality("1", 1.0, 1.0, 30, &mut rng)];
+        let report = AbReport::new("digits", &all_right, "1", 0.99).unwrap();
+        let accuracy = report.versions[0].accuracy.unwrap();
+        assert_eq!((accuracy.estimate, accuracy.high), (1.0, 1.0));
+        assert!(accuracy.low > 0.75 && accuracy.low < 0.9, "{accuracy:?}");
+        let mut old = quality("1", 0.5, 0.9, 40, &mut rng);
+        (old.figures.label_weight_sq, old.figures.outcome_weight_sq) = (0.0, 0.0);
+        assert_eq!(old.figures.accuracy().map(|a| a.1), Some(40.0));
+        assert_eq!(old.figures.outcome().map(|o| o.2), Some(40.0));
     }
 
     #[test]

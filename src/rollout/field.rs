@@ -89,18 +89,30 @@ impl FieldFigures {
     /// The weighted accuracy and its effective sample size.
     pub fn accuracy(&self) -> Option<(f64, f64)> {
         (self.label_weight > 0.0).then(|| {
-            (self.correct_weight / self.label_weight, self.label_weight.powi(2) / self.label_weight_sq)
+            let n = effective(self.labels, self.label_weight, self.label_weight_sq);
+            (self.correct_weight / self.label_weight, n)
         })
     }
 
-    /// The weighted mean outcome, its variance and effective sample size.
+    /// The weighted mean outcome, its variance (with Bessel's correction
+    /// on the effective n) and effective sample size.
     pub fn outcome(&self) -> Option<(f64, f64, f64)> {
         (self.outcome_weight > 0.0).then(|| {
             let mean = self.outcome_sum / self.outcome_weight;
-            let variance = (self.outcome_sum_sq / self.outcome_weight - mean * mean).max(0.0);
-            (mean, variance, self.outcome_weight.powi(2) / self.outcome_weight_sq)
+            let n = effective(self.outcomes, self.outcome_weight, self.outcome_weight_sq);
+            let spread = (self.outcome_sum_sq / self.outcome_weight - mean * mean).max(0.0);
+            (mean, if n > 1.0 { spread * n / (n - 1.0) } else { spread }, n)
         })
     }
+}
+
+/// Kish's effective sample size of `count` samples weighing `weight` in
+/// all and `weight_sq` squared; the count where the squares are missing
+/// (a node from before them) or too small to hold, and never above it
+/// (rounding of equal weights).
+fn effective(count: u64, weight: f64, weight_sq: f64) -> f64 {
+    let n = weight * weight / weight_sq;
+    if n.is_finite() && weight_sq > 0.0 { n.min(count as f64) } else { count as f64 }
 }
 
 /// One version's field figures since the node started.
@@ -150,6 +162,11 @@ pub fn adjusted(p: f64, n: f64) -> (f64, f64, f64) {
     (p, p * (1.0 - p), n)
 }
 
+/// Fewer effective samples than this get no interval in a report: the
+/// normal approximation would call one against one significant. The
+/// gates ask at least as many (`min_feedback`).
+pub const MIN_FOR_INTERVAL: f64 = 30.0;
+
 /// An estimate with its two-sided interval.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
@@ -172,34 +189,40 @@ fn interval(estimate: f64, variance_of_estimate: f64, z: f64) -> Interval {
 }
 
 impl FieldFigures {
-    /// The accuracy's interval (Agresti-Coull: the adjusted share's
-    /// variance, centred on the plain share).
+    /// The accuracy's interval (Agresti-Coull: z^2 / 2 successes and as
+    /// many failures added, the interval round that share, kept within 0
+    /// and 1); the estimate is the plain share. None below
+    /// `MIN_FOR_INTERVAL` effective samples.
     pub fn accuracy_interval(&self, z: f64) -> Option<Interval> {
-        let (p, n) = self.accuracy()?;
-        let (pa, v, na) = adjusted(p, n);
-        let mut i = interval(pa, v / na, z);
-        i.estimate = p;
-        Some(i)
+        let (p, n) = self.accuracy().filter(|a| a.1 >= MIN_FOR_INTERVAL)?;
+        let (n_adj, p_adj) = (n + z * z, (p * n + z * z / 2.0) / (n + z * z));
+        let i = interval(p_adj, p_adj * (1.0 - p_adj) / n_adj, z);
+        Some(Interval { estimate: p, low: i.low.max(0.0), high: i.high.min(1.0) })
     }
 
-    /// The mean outcome's interval.
+    /// The mean outcome's interval; None below `MIN_FOR_INTERVAL`.
     pub fn outcome_interval(&self, z: f64) -> Option<Interval> {
-        let (m, v, n) = self.outcome()?;
+        let (m, v, n) = self.outcome().filter(|o| o.2 >= MIN_FOR_INTERVAL)?;
         Some(interval(m, v / n, z))
     }
 
-    /// This version's accuracy minus `other`'s (Agresti-Caffo).
+    /// This version's accuracy minus `other`'s (Agresti-Caffo: the
+    /// interval round the adjusted difference); the estimate is the plain
+    /// one. None while either side is below `MIN_FOR_INTERVAL`.
     pub fn accuracy_difference(&self, other: &FieldFigures, z: f64) -> Option<Interval> {
-        let [(p1, n1), (p2, n2)] = [self.accuracy()?, other.accuracy()?];
+        let enough = |a: &(f64, f64)| a.1 >= MIN_FOR_INTERVAL;
+        let [(p1, n1), (p2, n2)] = [self.accuracy().filter(enough)?, other.accuracy().filter(enough)?];
         let [(a1, v1, m1), (a2, v2, m2)] = [adjusted(p1, n1), adjusted(p2, n2)];
         let mut i = interval(a1 - a2, v1 / m1 + v2 / m2, z);
         i.estimate = p1 - p2;
         Some(i)
     }
 
-    /// This version's mean outcome minus `other`'s (Welch).
+    /// This version's mean outcome minus `other`'s (Welch); None while
+    /// either side is below `MIN_FOR_INTERVAL`.
     pub fn outcome_difference(&self, other: &FieldFigures, z: f64) -> Option<Interval> {
-        let [(m1, v1, n1), (m2, v2, n2)] = [self.outcome()?, other.outcome()?];
+        let enough = |o: &(f64, f64, f64)| o.2 >= MIN_FOR_INTERVAL;
+        let [(m1, v1, n1), (m2, v2, n2)] = [self.outcome().filter(enough)?, other.outcome().filter(enough)?];
         Some(interval(m1 - m2, v1 / n1 + v2 / n2, z))
     }
 }

@@ -299,7 +299,7 @@ impl Window {
         // weight is one sample, not a thousand.
         let judge = |counts: [u64; 2], effective: f64, worse: Option<bool>| match (need, counts, worse) {
             (0, ..) | (_, [0, 0], _) => GateResult::Off,
-            _ if effective < need as f64 => GateResult::Inconclusive,
+            _ if effective < need as f64 - 1e-9 => GateResult::Inconclusive,
             (_, _, Some(true)) => GateResult::Fail,
             _ => GateResult::Pass,
         };

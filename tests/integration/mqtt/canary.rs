@@ -644,10 +644,10 @@ async fn ab_report_intervals_contain_the_true_simulated_difference() {
         assert!(!page.contains(outside), "the report refers to an outside file ({outside})");
     }
     let outcome = page.split("<section id=\"outcome\">").nth(1).unwrap().split("</section>").next().unwrap();
-    assert!(outcome.contains("<td>v3</td>") && outcome.contains(" significant</td>"), "{outcome}");
+    assert!(outcome.contains("<td>v3</td>") && outcome.contains("] significant</td>"), "{outcome}");
     let accuracy =
         page.split("<section id=\"accuracy\">").nth(1).unwrap().split("</section>").next().unwrap();
-    assert!(accuracy.contains("not significant</td>"), "{accuracy}");
+    assert!(accuracy.contains("] not significant</td>"), "{accuracy}");
     assert_eq!(page.matches("<svg").count(), 2, "a chart a kind");
     let Some(chromium) = crate::chromium() else {
         return crate::skipped(
