@@ -15,8 +15,7 @@ use super::topics::Topics;
 use crate::engine::Engine;
 use crate::rollout::Asker;
 use crate::telemetry::unix_now;
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::Publish;
 use serde_json::json;
 use std::sync::Arc;
 
@@ -76,13 +75,7 @@ impl ControlTask {
                 json!({"id": id, "error": {"code": code, "message": message}})
             }
         };
-        let reply_props = PublishProperties {
-            correlation_data: props.correlation_data.clone(),
-            content_type: Some("application/json".into()),
-            ..Default::default()
-        };
-        let publish = Publish::new(destination, QoS::AtLeastOnce, body.to_string(), Some(reply_props));
-        Some(Reply { publish, id })
+        Some(Reply::json(destination, &props, id, &body))
     }
 
     /// Runs a command signed with the node's key for its topic, within the

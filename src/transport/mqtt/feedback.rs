@@ -11,8 +11,7 @@ use super::topics::Topics;
 use crate::engine::Engine;
 use crate::engine::feedback::{self, Addressed, Joined};
 use crate::protocol::{ErrorReply, InferError};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::Publish;
 use std::sync::Arc;
 
 pub struct FeedbackTask {
@@ -50,12 +49,6 @@ impl FeedbackTask {
                 (id, body)
             }
         };
-        let reply_props = PublishProperties {
-            correlation_data: props.correlation_data.clone(),
-            content_type: Some("application/json".into()),
-            ..Default::default()
-        };
-        let publish = Publish::new(destination, QoS::AtLeastOnce, body.to_string(), Some(reply_props));
-        Some(Reply { publish, id })
+        Some(Reply::json(destination, &props, id, &body))
     }
 }

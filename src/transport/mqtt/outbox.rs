@@ -22,7 +22,7 @@ use super::session::{Event, Session};
 use crate::protocol::Delivery;
 use crate::telemetry;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::Publish;
+use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,6 +31,25 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub struct Reply {
     pub publish: Publish,
     pub id: String,
+}
+
+impl Reply {
+    /// A JSON reply to a message with `asked` properties, sent to
+    /// `destination` (already checked) at QoS 1 with the message's
+    /// Correlation Data: what the control and feedback topics answer.
+    pub fn json(
+        destination: String,
+        asked: &PublishProperties,
+        id: String,
+        body: &serde_json::Value,
+    ) -> Reply {
+        let properties = PublishProperties {
+            correlation_data: asked.correlation_data.clone(),
+            content_type: Some("application/json".into()),
+            ..Default::default()
+        };
+        Reply { publish: Publish::new(destination, QoS::AtLeastOnce, body.to_string(), Some(properties)), id }
+    }
 }
 
 /// What a publish is: who waits to hear the broker has it, and what the
