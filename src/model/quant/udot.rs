@@ -242,33 +242,37 @@ fn dot_split(
     _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, we), _mm256_madd_epi16(uo, wo)))
 }
 
-/// The channels-in-lanes tile on AVX2 alone: as `pixel_tile_avx_vnni`,
-/// each `vpdpbusd` two `vpmaddwd` on the quads' even and odd bytes.
+/// The 256-bit channels-in-lanes tiles, four rows at a time: 16
+/// accumulators for 8 rows would leave none for the operands. Per quad `q`
+/// of the block, `weights(q)` loads its 16 lanes once for every pixel, and
+/// `dot(acc, u, weights)` adds a pixel's quad `u` times them to the
+/// pixel's two accumulators. Inlined into each form, so its intrinsics
+/// compile with that form's features.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn pixel_tile_avx2(
-    w: &[u32],
+#[inline(always)]
+fn pixel_tile_ymm<W: Copy>(
     x: &[u8],
     stride: usize,
     k4: usize,
     live: usize,
     tile: &mut [i32; PIXELS * LANES],
+    weights: impl Fn(usize) -> W,
+    dot: impl Fn([std::arch::x86_64::__m256i; 2], i32, W) -> [std::arch::x86_64::__m256i; 2],
 ) {
     use std::arch::x86_64::*;
     for half in 0..2 {
-        let mut acc = [[_mm256_setzero_si256(); 2]; PIXELS / 2];
+        // SAFETY (here and below): AVX is present (every caller's features).
+        let mut acc = [[unsafe { _mm256_setzero_si256() }; 2]; PIXELS / 2];
         // Rows past the live pixels read the last live one again.
         let rows: [usize; PIXELS / 2] =
             std::array::from_fn(|p| (half * PIXELS / 2 + p).min(live - 1) * stride);
         for q in 0..k4 {
-            let [e0, o0, e1, o1] = lane_weights_avx2(w, q);
+            let w = weights(q);
             for (acc, &row) in acc.iter_mut().zip(&rows) {
                 // SAFETY: quad q of each live pixel (the caller checks x's
                 // length).
                 let u = unsafe { (x.as_ptr().add(row + 4 * q) as *const i32).read_unaligned() };
-                let u = split_unsigned(_mm256_set1_epi32(u));
-                acc[0] = dot_split(acc[0], u, [e0, o0]);
-                acc[1] = dot_split(acc[1], u, [e1, o1]);
+                *acc = dot(*acc, u, w);
             }
         }
         for (p, acc) in acc.iter().enumerate() {
@@ -282,8 +286,27 @@ unsafe fn pixel_tile_avx2(
     }
 }
 
-/// `pixel_tile_avx512` in 256-bit registers: 16 accumulators for 8 rows
-/// would leave none for the operands, so four rows at a time.
+/// The channels-in-lanes tile on AVX2 alone: as `pixel_tile_avx_vnni`,
+/// each `vpdpbusd` two `vpmaddwd` on the quads' even and odd bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn pixel_tile_avx2(
+    w: &[u32],
+    x: &[u8],
+    stride: usize,
+    k4: usize,
+    live: usize,
+    tile: &mut [i32; PIXELS * LANES],
+) {
+    use std::arch::x86_64::*;
+    let weights = |q| lane_weights_avx2(w, q);
+    pixel_tile_ymm(x, stride, k4, live, tile, weights, |[a0, a1], u, [e0, o0, e1, o1]| {
+        let u = split_unsigned(_mm256_set1_epi32(u));
+        [dot_split(a0, u, [e0, o0]), dot_split(a1, u, [e1, o1])]
+    })
+}
+
+/// `pixel_tile_avx512` in 256-bit registers (`pixel_tile_ymm`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avxvnni")]
 unsafe fn pixel_tile_avx_vnni(
@@ -295,33 +318,13 @@ unsafe fn pixel_tile_avx_vnni(
     tile: &mut [i32; PIXELS * LANES],
 ) {
     use std::arch::x86_64::*;
-    for half in 0..2 {
-        let mut acc = [[_mm256_setzero_si256(); 2]; PIXELS / 2];
-        // Rows past the live pixels read the last live one again.
-        let rows: [usize; PIXELS / 2] =
-            std::array::from_fn(|p| (half * PIXELS / 2 + p).min(live - 1) * stride);
-        for q in 0..k4 {
-            // SAFETY: quad q of the block, and of each live pixel (the
-            // caller checks x's length).
-            unsafe {
-                let w0 = _mm256_loadu_si256(w.as_ptr().add(q * LANES) as *const __m256i);
-                let w1 = _mm256_loadu_si256(w.as_ptr().add(q * LANES + 8) as *const __m256i);
-                for (acc, &row) in acc.iter_mut().zip(&rows) {
-                    let u = _mm256_set1_epi32((x.as_ptr().add(row + 4 * q) as *const i32).read_unaligned());
-                    acc[0] = _mm256_dpbusd_avx_epi32(acc[0], u, w0);
-                    acc[1] = _mm256_dpbusd_avx_epi32(acc[1], u, w1);
-                }
-            }
-        }
-        for (p, acc) in acc.iter().enumerate() {
-            let at = (half * PIXELS / 2 + p) * LANES;
-            // SAFETY: row half * 4 + p of the tile, 16 i32.
-            unsafe {
-                _mm256_storeu_si256(tile.as_mut_ptr().add(at) as *mut __m256i, acc[0]);
-                _mm256_storeu_si256(tile.as_mut_ptr().add(at + 8) as *mut __m256i, acc[1]);
-            }
-        }
-    }
+    let at = |q: usize, h: usize| &w[q * LANES + h..q * LANES + h + 8];
+    // SAFETY: 8 u32 of quad q of the block.
+    let weights = |q| [0, 8].map(|h| unsafe { _mm256_loadu_si256(at(q, h).as_ptr() as *const __m256i) });
+    pixel_tile_ymm(x, stride, k4, live, tile, weights, |[a0, a1], u, [w0, w1]| {
+        let u = _mm256_set1_epi32(u);
+        [_mm256_dpbusd_avx_epi32(a0, u, w0), _mm256_dpbusd_avx_epi32(a1, u, w1)]
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
