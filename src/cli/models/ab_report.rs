@@ -6,7 +6,6 @@
 use super::deploy::Target;
 use anyhow::{Context, Result};
 use clap::Args;
-use edgeinfer::admin;
 use edgeinfer::config::Config;
 use edgeinfer::rollout::ab_report::AbReport;
 use edgeinfer::rollout::field::Interval;
@@ -32,11 +31,7 @@ pub struct AbReportArgs {
 }
 
 pub fn run(config: &Config, args: AbReportArgs) -> Result<i32> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (reports, source) = match args.target.via_mqtt_target() {
-        Some(via) => rt.block_on(admin::models_status_via_mqtt(config, &via, Some(&args.model)))?,
-        None => rt.block_on(admin::models_status(config, args.target.url.as_deref(), Some(&args.model)))?,
-    };
+    let (reports, source) = super::deploy::reports(config, &args.target, Some(&args.model))?;
     let Some(m) = reports.iter().find(|r| r.model == args.model) else {
         anyhow::bail!("the {source} has no model {}", args.model);
     };

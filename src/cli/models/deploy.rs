@@ -5,7 +5,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use edgeinfer::admin::{self, Change, ViaMqtt};
+use edgeinfer::admin::{self, Change, Source, ViaMqtt};
 use edgeinfer::config::Config;
 use edgeinfer::rollout::{Decision, ModelReport};
 
@@ -42,11 +42,6 @@ pub struct Target {
 }
 
 impl Target {
-    /// `--via-mqtt`'s target, for the other model commands.
-    pub fn via_mqtt_target(&self) -> Option<ViaMqtt> {
-        self.via_mqtt()
-    }
-
     fn via_mqtt(&self) -> Option<ViaMqtt> {
         self.via_mqtt.then(|| ViaMqtt {
             node: self.node.clone(),
@@ -56,12 +51,19 @@ impl Target {
     }
 }
 
-pub fn status(config: &Config, model: Option<String>, target: Target) -> Result<i32> {
+/// The deployments `target` names (the running node over HTTP or, with
+/// `--via-mqtt`, its control topic; else the state on disk), of every
+/// model or of `model`, and where they came from.
+pub fn reports(config: &Config, target: &Target, model: Option<&str>) -> Result<(Vec<ModelReport>, Source)> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (report, source) = match target.via_mqtt() {
-        Some(via) => rt.block_on(admin::models_status_via_mqtt(config, &via, model.as_deref()))?,
-        None => rt.block_on(admin::models_status(config, target.url.as_deref(), model.as_deref()))?,
-    };
+    Ok(match target.via_mqtt() {
+        Some(via) => rt.block_on(admin::models_status_via_mqtt(config, &via, model))?,
+        None => rt.block_on(admin::models_status(config, target.url.as_deref(), model))?,
+    })
+}
+
+pub fn status(config: &Config, model: Option<String>, target: Target) -> Result<i32> {
+    let (report, source) = reports(config, &target, model.as_deref())?;
     if target.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(0);
