@@ -141,21 +141,21 @@ impl Node {
                 Err(e) => tracing::error!("{e}; serving without capture"),
             }
         }
+        // A state that cannot be read stops the start: serving the newest
+        // version instead could bring back one that was rolled back.
+        let (rollout, decisions, to_site) =
+            Rollout::start(config.node.state_dir.clone(), config.site.rollout)?;
         if config.feedback.enabled {
             let bounds = crate::engine::feedback::Bounds {
                 window: Duration::from_secs(config.feedback.window_s),
                 max_entries: config.feedback.max_entries as usize,
                 max_bytes: config.feedback.max_bytes as usize,
             };
-            match crate::engine::feedback::FeedbackStore::start(bounds) {
+            match crate::engine::feedback::FeedbackStore::start(bounds, Some(rollout.observer())) {
                 Ok(store) => engine = engine.with_feedback(store),
                 Err(e) => tracing::error!("cannot start the feedback store: {e}; serving without feedback"),
             }
         }
-        // A state that cannot be read stops the start: serving the newest
-        // version instead could bring back one that was rolled back.
-        let (rollout, decisions, to_site) =
-            Rollout::start(config.node.state_dir.clone(), config.site.rollout)?;
         let engine = Arc::new(engine.with_rollout(rollout));
         warn_unloaded_pins(&engine);
         // Rollbacks counted from 0: an alert on `increase` sees the first one.

@@ -192,10 +192,12 @@ pub struct FeedbackStore {
 
 impl FeedbackStore {
     /// Starts the owner thread.
-    pub fn start(bounds: Bounds) -> std::io::Result<FeedbackStore> {
+    /// What joins also goes to `rollout`, for the field gates.
+    pub fn start(bounds: Bounds, rollout: Option<Observer>) -> std::io::Result<FeedbackStore> {
         let (tx, rx) = sync_channel(QUEUE);
         let quality = Arc::new(Mutex::new(Arc::new(Vec::new())));
-        let owner = Owner::new(bounds, quality.clone());
+        let mut owner = Owner::new(bounds, quality.clone());
+        owner.rollout = rollout;
         std::thread::Builder::new().name("edgeinfer-feedback".into()).spawn(move || owner.run(rx))?;
         Ok(FeedbackStore { tx, quality })
     }
@@ -236,10 +238,8 @@ pub enum Addressed {
 
 /// One feedback message as both transports take it: its id and what
 /// became of it, or the error reply naming the field and the fix.
-/// Joined feedback also goes to `rollout`, for the field gates.
 pub async fn take(
     store: Option<&FeedbackStore>,
-    rollout: Option<&Observer>,
     payload: &[u8],
     addressed: Addressed,
 ) -> Result<(String, Joined), (String, InferError)> {
@@ -258,7 +258,7 @@ pub async fn take(
             return Err((String::new(), err));
         }
     };
-    let (id, weight, outcome) = (feedback.id.clone(), feedback.weight(), feedback.outcome);
+    let id = feedback.id.clone();
     match store.join(feedback).await {
         Ok(Joined::Unjoined { reason: "unknown_id" }) if addressed == Addressed::Site => {
             refused("not_here");
@@ -268,22 +268,7 @@ pub async fn take(
             refused(reason);
             Ok((id, Joined::Unjoined { reason }))
         }
-        Ok(joined) => {
-            if let (Some(rollout), Joined::Joined { model, version, correct, .. }) = (rollout, &joined) {
-                let says = match (correct, outcome) {
-                    (Some(correct), _) => FieldSays::Label { correct: *correct },
-                    (None, Some(x)) => FieldSays::Outcome(x),
-                    (None, None) => return Ok((id, joined)),
-                };
-                rollout.observe_field(FieldSeen {
-                    model: model.clone(),
-                    version: version.clone(),
-                    weight,
-                    says,
-                });
-            }
-            Ok((id, joined))
-        }
+        Ok(joined) => Ok((id, joined)),
         Err(Busy) => {
             refused("busy");
             Err((id, InferError::overloaded(Busy.to_string())))
@@ -333,6 +318,8 @@ struct Owner {
     bytes: usize,
     figures: BTreeMap<(String, String), FieldQuality>,
     published: Arc<Mutex<Arc<Vec<FieldQuality>>>>,
+    /// The rollout's thread, told of each feedback joined.
+    rollout: Option<Observer>,
 }
 
 impl Owner {
@@ -345,6 +332,7 @@ impl Owner {
             bytes: 0,
             figures: BTreeMap::new(),
             published,
+            rollout: None,
         }
     }
 
@@ -485,6 +473,9 @@ impl Owner {
         };
         let seen = FieldSeen { model: key.0.clone(), version: key.1.clone(), weight, says: field };
         figures.figures.record(&seen);
+        if let Some(rollout) = &self.rollout {
+            rollout.observe_field(seen);
+        }
         let correct = match field {
             FieldSays::Label { correct } => Some(correct),
             FieldSays::Outcome(_) => None,

@@ -155,8 +155,7 @@ impl Engine {
         payload: &[u8],
         addressed: feedback::Addressed,
     ) -> Result<(String, feedback::Joined), (String, InferError)> {
-        let observer = self.rollout.as_ref().map(Rollout::observer);
-        feedback::take(self.feedback.as_ref(), observer.as_ref(), payload, addressed).await
+        feedback::take(self.feedback.as_ref(), payload, addressed).await
     }
 
     /// Keeps `response` for the feedback about request `id`.
