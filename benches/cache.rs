@@ -7,7 +7,6 @@ use criterion::Criterion;
 use edgeinfer::engine::cache::{Cache, CacheOptions, Key, Lookup, RedisOptions};
 use edgeinfer::model::{LoadedModel, RuntimeOptions};
 use edgeinfer::protocol::{Datatype, InferRequest, InferResponse, OutputTensor, TensorData};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -21,8 +20,6 @@ fn options(dir: &Path, memory_bytes: u64) -> CacheOptions {
         memory_bytes,
         disk_bytes: 1 << 30,
         dir: dir.join("cache"),
-        default_ttl: Duration::from_secs(3600),
-        model_ttl: HashMap::new(),
         sweep_interval: Duration::from_secs(3600),
         // Long enough that every disk read is timed, not given up on.
         disk_read_timeout: Duration::from_secs(1),

@@ -7,7 +7,7 @@
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, CheckReport, DiskError};
-use crate::rollout::{Asker, Decision, Deployments, ModelReport, Plan, RolloutError};
+use crate::rollout::{Asker, ConfigPlan, Decision, Deployments, ModelReport, Plan, RolloutError};
 use crate::transport::mqtt::{AskError, ControlAsk, ControlCommand};
 use std::path::PathBuf;
 
@@ -66,7 +66,7 @@ pub async fn cache_stats(config: &Config, url: Option<&str>) -> Result<(CacheSta
     let mut no_node = None;
     if let Some(base) = &base {
         let url = format!("{base}/cache/stats");
-        match send(config, "GET", &url).await {
+        match send(config, "GET", &url, None).await {
             Ok(body) => {
                 let stats = serde_json::from_str(&body).map_err(|e| AdminError::Http {
                     url: url.clone(),
@@ -94,7 +94,7 @@ pub async fn cache_purge(
             Some(m) => format!("{base}/cache/purge?model={}", query_value(m)),
             None => format!("{base}/cache/purge"),
         };
-        match send(config, "POST", &url).await {
+        match send(config, "POST", &url, None).await {
             Ok(body) => {
                 let answer: serde_json::Value = serde_json::from_str(&body).map_err(|e| {
                     AdminError::Http { url: url.clone(), reason: format!("unexpected answer: {e}") }
@@ -130,10 +130,13 @@ pub enum Change {
     /// The stable before the current one serves again (or, during a
     /// rollout, stable alone).
     Rollback { model: String },
-    /// `version` is tried on part of the traffic, judged by gates.
+    /// `version` is tried on part of the traffic, judged by gates; or,
+    /// with `config` (a config candidate file's text) and no version, that
+    /// config on stable's version.
     Rollout {
         model: String,
-        version: String,
+        version: Option<String>,
+        config: Option<String>,
         mode: Option<String>,
         steps: Option<String>,
         gates: Option<String>,
@@ -152,7 +155,7 @@ pub async fn models_status(
             Some(m) => format!("{base}/models/status?model={}", query_value(m)),
             None => format!("{base}/models/status"),
         };
-        match send(config, "GET", &url).await {
+        match send(config, "GET", &url, None).await {
             Ok(body) => return Ok((decode(&url, &body)?, Source::Node(base.clone()))),
             Err(Attempt::Failed(e)) => return Err(e),
             Err(Attempt::NoNode(reason)) => no_node = Some(reason),
@@ -162,7 +165,7 @@ pub async fn models_status(
     let dir = &config.node.models_dir;
     let fingerprints = crate::model::fingerprints_on_disk(dir)
         .map_err(|e| AdminError::Models { path: dir.clone(), reason: e.to_string() })?;
-    let report = deployments.report(&available, &fingerprints, model)?;
+    let report = deployments.report(&available, &fingerprints, model, &|m: &str| config.serving(m))?;
     Ok((report, Source::State(config.node.state_dir.join(crate::rollout::state::FILE_NAME))))
 }
 
@@ -182,13 +185,10 @@ pub async fn models_change(
                 format!("{base}/models/promote?model={}", query_value(model))
             }
             Change::Rollback { model } => format!("{base}/models/rollback?model={}", query_value(model)),
-            Change::Rollout { model, version, mode, steps, gates } => {
-                let mut url = format!(
-                    "{base}/models/rollout?model={}&version={}",
-                    query_value(model),
-                    query_value(version)
-                );
-                for (key, value) in [("mode", mode), ("steps", steps), ("gates", gates)] {
+            Change::Rollout { model, version, mode, steps, gates, .. } => {
+                let mut url = format!("{base}/models/rollout?model={}", query_value(model));
+                for (key, value) in [("version", version), ("mode", mode), ("steps", steps), ("gates", gates)]
+                {
                     if let Some(v) = value {
                         url.push_str(&format!("&{key}={}", query_value(v)));
                     }
@@ -196,7 +196,11 @@ pub async fn models_change(
                 url
             }
         };
-        match send(config, "POST", &url).await {
+        let body = match change {
+            Change::Rollout { config, .. } => config.clone(),
+            _ => None,
+        };
+        match send(config, "POST", &url, body).await {
             Ok(body) => return Ok((decode(&url, &body)?, Source::Node(base.clone()))),
             Err(Attempt::Failed(e)) => return Err(e),
             Err(Attempt::NoNode(reason)) => no_node = Some(reason),
@@ -215,17 +219,19 @@ pub async fn models_change(
         Change::Rollback { model } => {
             deployments.rollback(model, &available, &Asker::named("models rollback (no node)"), now_s)?
         }
-        Change::Rollout { model, version, mode, steps, gates } => {
+        Change::Rollout { model, version, config: file, mode, steps, gates } => {
             let policy = config.rollout_policy(model);
-            let plan =
-                Plan::new(Some(version), mode.as_deref(), &policy, (steps.as_deref(), gates.as_deref()))?;
-            deployments.start_rollout(
-                model,
-                plan,
-                &available,
-                &Asker::named("models rollout (no node)"),
-                now_s,
-            )?
+            let overrides = (steps.as_deref(), gates.as_deref());
+            let by = "models rollout (no node)";
+            let plan = match file {
+                None => Plan::new(version.as_deref(), mode.as_deref(), &policy, overrides)?,
+                Some(file) => {
+                    let deployment = deployments.models.get(model);
+                    let candidate = ConfigPlan::new(file, deployment, &config.serving(model), by, now_s)?;
+                    Plan::for_config(candidate, mode.as_deref(), &policy, overrides)?
+                }
+            };
+            deployments.start_rollout(model, plan, &available, &Asker::named(by), now_s)?
         }
     };
     deployments.save(&config.node.state_dir)?;
@@ -269,8 +275,9 @@ pub async fn models_change_via_mqtt(
             ControlCommand { version: version.clone(), ..named("promote", model) }
         }
         Change::Rollback { model } => named("rollback", model),
-        Change::Rollout { model, version, mode, steps, gates } => ControlCommand {
-            version: Some(version.clone()),
+        Change::Rollout { model, version, config: file, mode, steps, gates } => ControlCommand {
+            version: version.clone(),
+            config_hex: file.as_ref().map(hex::encode),
             mode: mode.clone(),
             steps: steps.clone(),
             gates: gates.clone(),
@@ -360,7 +367,7 @@ fn query_value(v: &str) -> String {
 
 /// One request to the node, with the admin token when the config names one;
 /// over HTTPS the node's own certificate (`http.tls_cert_file`) is trusted.
-async fn send(config: &Config, method: &str, url: &str) -> Result<String, Attempt> {
+async fn send(config: &Config, method: &str, url: &str, body: Option<String>) -> Result<String, Attempt> {
     use http_body_util::BodyExt;
     let failed = |reason: String| Attempt::Failed(AdminError::Http { url: url.into(), reason });
     let mut request = hyper::Request::builder().method(method).uri(url);
@@ -370,8 +377,8 @@ async fn send(config: &Config, method: &str, url: &str) -> Result<String, Attemp
         let token = text.lines().next().unwrap_or_default().trim().to_string();
         request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
     }
-    let request =
-        request.body(http_body_util::Empty::<bytes::Bytes>::new()).map_err(|e| failed(e.to_string()))?;
+    let body = http_body_util::Full::new(bytes::Bytes::from(body.unwrap_or_default()));
+    let request = request.body(body).map_err(|e| failed(e.to_string()))?;
     let tls = crate::tls::client_config(
         "http.tls_cert_file",
         config.http.tls_cert_file.as_deref(),

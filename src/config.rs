@@ -3,9 +3,11 @@
 
 pub mod reference;
 mod rollout;
+pub mod serving;
 
 pub use rollout::{AutoRollout, FIELD_CONFIDENCE, OnInconclusive, RolloutMode, RolloutPolicy};
 use serde::{Deserialize, Serialize};
+pub use serving::{ServingChange, ServingConfig};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -519,6 +521,14 @@ pub struct ModelConfig {
     /// How long this model's answers stay cached; 0: never cache them (for a
     /// model whose answers change with time). Default: `cache.ttl_s`.
     pub cache_ttl_s: Option<u64>,
+    /// The `top_k` list a reply carries when its request asks for none
+    /// (`parameters.top_k`); unset or 0: none.
+    pub top_k: Option<u32>,
+    /// Overrides the model manifest's `preprocess.scale` (inputs are
+    /// `x * scale + offset` before the model sees them).
+    pub preprocess_scale: Option<f32>,
+    /// Overrides the model manifest's `preprocess.offset`.
+    pub preprocess_offset: Option<f32>,
     /// What a new version found by a reload starts: `off` (it is just the
     /// newest), `canary` or `shadow` (a rollout judged by `rollout`'s gates).
     pub auto_rollout: AutoRollout,
@@ -649,6 +659,9 @@ impl Default for ModelConfig {
             max_delay_us: None,
             latency_budget_ms: None,
             cache_ttl_s: None,
+            top_k: None,
+            preprocess_scale: None,
+            preprocess_offset: None,
             auto_rollout: AutoRollout::Off,
             rollout: RolloutPolicy::default(),
         }
@@ -774,12 +787,6 @@ impl Config {
         let value = self.to_toml();
         SHOW_SECRETS.set(false);
         value
-    }
-
-    /// How long `model`'s answers stay cached; zero: not cached.
-    pub fn cache_ttl(&self, model: &str) -> std::time::Duration {
-        let s = self.models.get(model).and_then(|m| m.cache_ttl_s).unwrap_or(self.cache.ttl_s);
-        std::time::Duration::from_secs(s)
     }
 
     /// How `model`'s rollouts step and judge (its `[models.NAME.rollout]`).
@@ -992,22 +999,6 @@ impl Config {
         if self.limits.max_rows == 0 {
             bad("limits.max_rows", "0: use at least 1".into());
         }
-        let batching = |key: &str, max_batch: usize, delay: u64, budget: Option<f64>| {
-            if !(1..=4096).contains(&max_batch) {
-                bad(&format!("{key}.max_batch"), format!("{max_batch}: use 1 (no batching) to 4096"));
-            }
-            if delay > 1_000_000 {
-                bad(&format!("{key}.max_delay_us"), format!("{delay}: use 0 to 1000000 (one second)"));
-            }
-            if let Some(b) = budget
-                && !(b > 0.0 && b <= 60_000.0)
-            {
-                bad(
-                    &format!("{key}.latency_budget_ms"),
-                    format!("{b}: use a positive number of milliseconds"),
-                );
-            }
-        };
         if self.node.drain_timeout_s > 3600 {
             bad("node.drain_timeout_s", format!("{}: use 0 to 3600 seconds", self.node.drain_timeout_s));
         }
@@ -1198,20 +1189,16 @@ impl Config {
                 ),
             );
         }
-        let rt = &self.runtime;
-        batching("runtime", rt.max_batch, rt.max_delay_us, rt.latency_budget_ms);
+        // The batching keys of `[runtime]`: what a model without its own has
+        // (the other keys of a model's serving settings have no `[runtime]` twin).
+        let runtime = self.default_serving().problems("models.NAME");
+        for (key, message) in runtime.into_iter().filter(|(k, _)| k.contains("max_") || k.contains("latency"))
+        {
+            bad(&key.replace("models.NAME", "runtime"), message);
+        }
         for (name, model) in &self.models {
-            batching(
-                &format!("models.{name}"),
-                model.max_batch.unwrap_or(rt.max_batch),
-                model.max_delay_us.unwrap_or(rt.max_delay_us),
-                model.latency_budget_ms.or(rt.latency_budget_ms),
-            );
-            if !(0.0..=1.0).contains(&model.threshold) {
-                bad(
-                    &format!("models.{name}.threshold"),
-                    format!("{}: use a confidence between 0.0 and 1.0", model.threshold),
-                );
+            for (key, message) in self.serving(name).problems(&format!("models.{name}")) {
+                bad(&key, message);
             }
             if let Err((key, message)) = model.rollout.check() {
                 bad(&format!("models.{name}.rollout.{key}"), message);

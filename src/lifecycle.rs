@@ -406,6 +406,7 @@ fn start_auto_rollouts(
             mode,
             policy: config.rollout_policy(model),
             serving_before: state.serving(model, &before).map(str::to_string),
+            config: None,
         };
         let by = crate::rollout::Asker::named("auto_rollout (reload)");
         match rollout.start_rollout_blocking(model, plan, available.clone(), by) {
@@ -467,6 +468,7 @@ pub async fn start_auto_rollouts_at_start(engine: &Engine, config: &Config) {
             mode,
             policy: config.rollout_policy(model),
             serving_before: Some(serving),
+            config: None,
         };
         let by = crate::rollout::Asker::named("auto_rollout (start)");
         match rollout.start_rollout(model, plan, available.clone(), by).await {
@@ -546,16 +548,13 @@ mod tests {
         applied.models.entry("digits".into()).or_default().threshold = 0.5;
         assert!(needing_restart(&running, &applied).is_empty(), "a threshold is applied by a reload");
         let mut next = running.clone();
-        next.models.entry("digits".into()).or_default().cache_ttl_s = Some(5);
+        next.cache.memory_bytes *= 2;
         next.limits.max_packet_bytes *= 2;
         next.limits.max_payload_bytes *= 2;
         next.models.entry("digits".into()).or_default().threshold = 0.5;
         let named = needing_restart(&running, &next);
         assert_eq!(named.len(), 2, "{named:?}");
-        assert!(
-            named[0].starts_with("models.NAME.cache_ttl_s")
-                && named[1].starts_with("limits.max_packet_bytes")
-        );
+        assert!(named[0].starts_with("cache") && named[1].starts_with("limits.max_packet_bytes"));
         // A secret is compared as it is, though it prints redacted.
         let mut password = running.clone();
         password.mqtt.password = Some(crate::config::Secret("hunter2".into()));

@@ -128,7 +128,32 @@ impl Cli {
     /// Where `serve` reads the config again on SIGHUP: the same file and
     /// overrides it started with.
     pub fn reload_source(&self) -> ReloadSource {
-        ReloadSource { config_file: self.config.clone(), models_dir: self.models_dir.clone() }
+        ReloadSource { config_file: self.node_config(), models_dir: self.models_dir.clone() }
+    }
+
+    /// The node's config file. `models rollout NAME --config FILE.toml`
+    /// names a config candidate there, and clap hands a subcommand's value
+    /// of a global argument's name up to the global one: the node config is
+    /// then the one given before the subcommand, else EDGEINFER_CONFIG.
+    fn node_config(&self) -> Option<PathBuf> {
+        let candidate = match &self.command {
+            Command::Models { command: models::ModelsCommand::Rollout { config, .. } } => config.as_ref(),
+            _ => None,
+        };
+        if candidate.is_none() || self.config.as_ref() != candidate {
+            return self.config.clone();
+        }
+        let args: Vec<String> = std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect();
+        let before = &args[1..args.iter().position(|a| a == "rollout").unwrap_or(args.len())];
+        let mut given = None;
+        for (i, arg) in before.iter().enumerate() {
+            if arg == "--config" || arg == "-c" {
+                given = before.get(i + 1).map(PathBuf::from);
+            } else if let Some(path) = arg.strip_prefix("--config=").or_else(|| arg.strip_prefix("-c")) {
+                given = Some(PathBuf::from(path.trim_start_matches('=')));
+            }
+        }
+        given.or_else(|| std::env::var_os("EDGEINFER_CONFIG").map(PathBuf::from))
     }
 }
 

@@ -105,11 +105,28 @@ pub enum ModelsCommand {
     /// rolls back). `models status` shows the step, the gates and the
     /// figures; `models promote` or `models rollback` end it any time.
     /// Needs the admin token as `promote` does.
+    ///
+    /// With --config FILE.toml instead of a version, a config change is
+    /// tried the same way on stable's version: FILE sets some of the model's
+    /// serving keys (cloud_model, threshold, confidence, enrich, max_batch,
+    /// max_delay_us, latency_budget_ms, cache_ttl_s, top_k,
+    /// preprocess_scale, preprocess_offset; the names of [models.NAME]), the
+    /// others stay as stable has them. Replies name the config version they
+    /// were served with (parameters.config_version); the deployment state
+    /// keeps each config version's text, hash and file, so a rollback
+    /// restores stable's exactly. Give the node's own config before the
+    /// subcommand (edgeinfer -c node.toml models rollout NAME --config
+    /// FILE.toml) or in EDGEINFER_CONFIG.
     Rollout {
         /// The model's name.
         model: String,
-        /// The candidate version (a directory already loaded).
-        version: String,
+        /// The candidate version (a directory already loaded); none with --config.
+        #[arg(required_unless_present = "config", conflicts_with = "config")]
+        version: Option<String>,
+        /// A config candidate (TOML, at most 4096 bytes) to roll out on
+        /// stable's version instead of a model version.
+        #[arg(long, value_name = "FILE.toml")]
+        config: Option<std::path::PathBuf>,
         /// canary, shadow or ab.
         #[arg(long, default_value = "canary")]
         mode: String,
@@ -153,8 +170,14 @@ pub fn run(config: &Config, command: ModelsCommand) -> Result<i32> {
         ModelsCommand::Rollback { model, target } => {
             return deploy::change(config, Change::Rollback { model }, target);
         }
-        ModelsCommand::Rollout { model, version, mode, steps, gates, target } => {
-            let change = Change::Rollout { model, version, mode: Some(mode), steps, gates };
+        ModelsCommand::Rollout { model, version, config: file, mode, steps, gates, target } => {
+            let file = match file {
+                Some(path) => Some(std::fs::read_to_string(&path).map_err(|e| {
+                    anyhow::anyhow!("--config {}: cannot read the config candidate: {e}", path.display())
+                })?),
+                None => None,
+            };
+            let change = Change::Rollout { model, version, config: file, mode: Some(mode), steps, gates };
             return deploy::change(config, change, target);
         }
         other => other,

@@ -56,17 +56,12 @@ pub struct BatchPolicy {
 }
 
 impl BatchPolicy {
-    /// The batching policy of `model`: its `[models.NAME]` keys over `[runtime]`.
-    pub fn from_config(config: &crate::config::Config, model: &str) -> BatchPolicy {
-        let m = config.models.get(model);
-        let rt = &config.runtime;
+    /// The batching a model's serving settings ask for.
+    pub fn new(serving: &crate::config::ServingConfig) -> BatchPolicy {
         BatchPolicy {
-            max_batch: m.and_then(|m| m.max_batch).unwrap_or(rt.max_batch),
-            max_delay: Duration::from_micros(m.and_then(|m| m.max_delay_us).unwrap_or(rt.max_delay_us)),
-            latency_budget: m
-                .and_then(|m| m.latency_budget_ms)
-                .or(rt.latency_budget_ms)
-                .map(|ms| Duration::from_secs_f64(ms / 1e3)),
+            max_batch: serving.max_batch,
+            max_delay: Duration::from_micros(serving.max_delay_us),
+            latency_budget: serving.latency_budget_ms.map(|ms| Duration::from_secs_f64(ms / 1e3)),
         }
     }
 }

@@ -28,10 +28,10 @@ pub struct CascadePolicy {
 }
 
 impl CascadePolicy {
-    pub fn new(m: &crate::config::ModelConfig) -> CascadePolicy {
+    pub fn new(m: &crate::config::ServingConfig) -> CascadePolicy {
         CascadePolicy {
             cloud_model: m.cloud_model.clone(),
-            threshold: m.threshold,
+            threshold: m.threshold as f32,
             confidence: m.confidence,
             enrich: m.enrich,
         }

@@ -14,7 +14,7 @@
 
 use crate::protocol::InferError;
 pub use crate::rollout::FieldQuality;
-use crate::rollout::{FieldSays, FieldSeen, Observer};
+use crate::rollout::{FieldFigures, FieldSays, FieldSeen, Observer};
 use crate::telemetry::{
     FEEDBACK, FEEDBACK_ACCURACY, FEEDBACK_ANSWERS_DROPPED, FEEDBACK_ANSWERS_KEPT, FEEDBACK_CORRECT,
     FEEDBACK_OUTCOME_MEAN, FEEDBACK_UNJOINED,
@@ -61,7 +61,7 @@ pub struct Answer {
     pub confidence: Option<f32>,
     /// `edge` or `cloud`.
     pub served_by: &'static str,
-    /// The config in service (the first 12 hex digits of its sha256).
+    /// The config version it was answered with (`parameters.config_version`).
     pub config: Option<String>,
 }
 
@@ -316,7 +316,8 @@ struct Owner {
     order: VecDeque<(String, u64)>,
     seq: u64,
     bytes: usize,
-    figures: BTreeMap<(String, String), FieldQuality>,
+    /// By model, version and config version.
+    figures: BTreeMap<(String, String, Option<String>), FieldQuality>,
     published: Arc<Mutex<Arc<Vec<FieldQuality>>>>,
     /// The rollout's thread, told of each feedback joined.
     rollout: Option<Observer>,
@@ -387,10 +388,11 @@ impl Owner {
     }
 
     fn record(&mut self, id: String, answer: Answer, now: Instant) {
-        let key = (answer.model.clone(), answer.version.clone());
+        let key = (answer.model.clone(), answer.version.clone(), answer.config.clone());
         let figures = self.figures.entry(key.clone()).or_insert_with(|| FieldQuality {
             model: key.0,
             version: key.1,
+            config: key.2,
             ..Default::default()
         });
         figures.answers += 1;
@@ -456,7 +458,7 @@ impl Owner {
         let Some(kept) = self.kept.get_mut(&feedback.id) else { return unjoined("unknown_id") };
         let weight = feedback.weight();
         let answer = &kept.answer;
-        let key = (answer.model.clone(), answer.version.clone());
+        let key = (answer.model.clone(), answer.version.clone(), answer.config.clone());
         let figures = self.figures.get_mut(&key).expect("every kept answer has figures");
         let (kind, field) = match says {
             Says::Label(_) if kept.had_label => return unjoined("duplicate"),
@@ -471,7 +473,8 @@ impl Owner {
                 ("outcome", FieldSays::Outcome(outcome))
             }
         };
-        let seen = FieldSeen { model: key.0.clone(), version: key.1.clone(), weight, says: field };
+        let config = answer.config.clone().unwrap_or_default();
+        let seen = FieldSeen { model: key.0.clone(), version: key.1.clone(), config, weight, says: field };
         figures.figures.record(&seen);
         if let Some(rollout) = &self.rollout {
             rollout.observe_field(seen);
@@ -487,10 +490,14 @@ impl Owner {
             // Also at 0: all wrong is when the accuracy alert must see it.
             metrics::counter!(FEEDBACK_CORRECT, &labels).increment(u64::from(correct));
         }
-        if let Some(accuracy) = figures.accuracy() {
+        // The gauges are per version: its configs' figures together.
+        let mut version = FieldFigures::default();
+        let configs = self.figures.iter().filter(|((m, v, _), _)| *m == key.0 && *v == key.1);
+        configs.for_each(|(_, q)| version.add(&q.figures));
+        if let Some((accuracy, ..)) = version.accuracy() {
             metrics::gauge!(FEEDBACK_ACCURACY, &labels).set(accuracy);
         }
-        if let Some(mean) = figures.mean_outcome() {
+        if let Some((mean, ..)) = version.outcome() {
             metrics::gauge!(FEEDBACK_OUTCOME_MEAN, &labels).set(mean);
         }
         Joined::Joined { model: key.0, version: key.1, kind, correct }
@@ -559,12 +566,12 @@ mod tests {
             o.join(&feedback(r#"{"id": "zz", "label": "7"}"#)),
             Joined::Unjoined { reason: "unknown_id" }
         );
-        let v1 = &o.figures[&("digits".to_string(), "1".to_string())];
+        let v1 = &o.figures[&("digits".to_string(), "1".to_string(), None)];
         assert_eq!((v1.answers, v1.figures.labels, v1.figures.outcomes), (2, 2, 1));
         // Weighted: one right of weight 1, one wrong of weight 3.
         assert_eq!(v1.accuracy(), Some(0.25));
         assert_eq!(v1.mean_outcome(), Some(1.0));
-        let v2 = &o.figures[&("digits".to_string(), "2".to_string())];
+        let v2 = &o.figures[&("digits".to_string(), "2".to_string(), None)];
         assert_eq!((v2.accuracy(), v2.mean_outcome()), (None, Some(0.25)));
     }
 

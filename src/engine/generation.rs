@@ -4,6 +4,7 @@
 
 use super::options::EngineOptions;
 use super::run::{Runner, SpawnError};
+use super::settings::DeployedConfigs;
 use super::stats::Answered;
 use crate::model::{Registry, Versions};
 use std::collections::HashMap;
@@ -16,6 +17,8 @@ pub struct Generation {
     pub options: EngineOptions,
     /// Answers per model in service, by name; carried across reloads.
     pub answered: HashMap<String, Arc<Answered>>,
+    /// The config versions deployments name, as requests met them.
+    pub deployed: DeployedConfigs,
 }
 
 impl Generation {
@@ -27,7 +30,7 @@ impl Generation {
         previous: Option<&Generation>,
     ) -> Result<Generation, SpawnError> {
         let runners = registry.try_map(|m| {
-            let policy = options.batching(m.name()).clone();
+            let policy = options.settings(m.name()).batching.clone();
             Runner::start(m.clone(), policy, options.threads_per_model, options.queue_capacity).map(Arc::new)
         })?;
         let answered = registry
@@ -37,7 +40,7 @@ impl Generation {
                 (m.name().to_string(), kept.unwrap_or_else(|| Answered::new(m.name())))
             })
             .collect();
-        Ok(Generation { registry, runners, options, answered })
+        Ok(Generation { registry, runners, options, answered, deployed: DeployedConfigs::default() })
     }
 
     /// The `model` label: the name for models this node serves, `unknown`

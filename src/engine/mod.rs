@@ -18,6 +18,7 @@ mod preprocess;
 mod probe;
 mod resolve;
 mod run;
+mod settings;
 mod stats;
 mod trial;
 
@@ -30,6 +31,7 @@ pub use envelope::Envelope;
 pub use options::EngineOptions;
 pub use probe::{ProbeError, Role, Unanswered};
 pub use run::{Runner, SpawnError};
+pub use settings::Settings;
 pub use stats::ModelStats;
 
 use crate::cloud::Settled;
@@ -161,13 +163,8 @@ impl Engine {
     /// Keeps `response` for the feedback about request `id`.
     fn keep_for_feedback(&self, id: &str, response: &InferResponse) {
         let Some(store) = &self.feedback else { return };
-        let config = self
-            .config_sha256
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|h| h[..12].to_string());
         let p = &response.parameters;
+        let config = p.config_version.clone();
         let answer = feedback::Answer {
             model: response.model_name.clone(),
             version: response.model_version.clone(),
@@ -250,7 +247,9 @@ impl Engine {
     ) -> Result<Vec<crate::rollout::ModelReport>, crate::rollout::RolloutError> {
         let Some(rollout) = &self.rollout else { return Err(crate::rollout::RolloutError::Stopped) };
         let registry = self.registry();
-        let mut report = rollout.current().report(&registry.available(), &registry.fingerprints(), model)?;
+        let node = |model: &str| self.node_serving(model);
+        let mut report =
+            rollout.current().report(&registry.available(), &registry.fingerprints(), model, &node)?;
         let trials = rollout.trials();
         let quality = self.feedback.as_ref().map(|f| f.quality()).unwrap_or_default();
         for m in &mut report {
@@ -260,18 +259,34 @@ impl Engine {
         Ok(report)
     }
 
+    /// `model`'s serving settings as the node config in service has them.
+    pub fn node_serving(&self, model: &str) -> crate::config::ServingConfig {
+        self.current().options.serving(model).clone()
+    }
+
     /// A rollout of `model` v`version` as `models rollout` asks for it: the
     /// mode (default canary) and the model's policy in service with the
-    /// command's overrides.
+    /// command's overrides. With `config` (a config candidate file, from
+    /// `by`), a config rollout on stable's version instead.
     pub fn rollout_plan(
         &self,
-        version: Option<&str>,
+        (model, version, config): (&str, Option<&str>, Option<&str>),
         mode: Option<&str>,
-        model: &str,
         overrides: (Option<&str>, Option<&str>),
+        by: &str,
     ) -> Result<crate::rollout::Plan, crate::rollout::RolloutError> {
+        use crate::rollout::{ConfigPlan, Plan, RolloutError};
         let policy = self.current().options.rollout(model);
-        crate::rollout::Plan::new(version, mode, &policy, overrides)
+        let Some(file) = config else { return Plan::new(version, mode, &policy, overrides) };
+        if let Some(v) = version.filter(|v| !v.is_empty()) {
+            return Err(RolloutError::BadConfig(format!(
+                "it runs on stable's model version; name no version (v{v} was named)"
+            )));
+        }
+        let deployments = self.deployments().ok_or(RolloutError::Stopped)?;
+        let (node, now_s) = (self.node_serving(model), telemetry::unix_now());
+        let plan = ConfigPlan::new(file, deployments.models.get(model), &node, by, now_s)?;
+        Plan::for_config(plan, mode, &policy, overrides)
     }
 
     /// The deployment state in service, if there is one.
@@ -369,23 +384,26 @@ impl Engine {
         }
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
         let deployments = self.deployments();
-        let route = resolve::resolve(&generation.runners, &envelope, &req, deployments.as_deref())?;
-        let runner = route.runner;
-        let model = runner.model();
+        let route = resolve::resolve(generation, &envelope, &req, deployments.as_deref())?;
+        let (arm, settings) = (&route.arm, &route.arm.settings);
+        let model = arm.runner.model();
+        // The config's default `top_k`, before the cache key is taken.
+        let mut req = req;
+        req.parameters.top_k = req.parameters.top_k.or(settings.top_k);
         let limits = &generation.options.limits;
-        let prepared = preprocess::prepare(model, &req, limits).inspect_err(|_| {
-            if let (Some(trial), Some(rollout)) = (&route.trial, &self.rollout) {
-                trial::refused(&rollout.observer(), trial, model, &req, limits);
-            }
-        })?;
+        let prepared =
+            preprocess::prepare(model, &req, limits, &settings.preprocess(model)).inspect_err(|_| {
+                if let (Some(trial), Some(rollout)) = (&route.trial, &self.rollout) {
+                    trial::refused(&rollout.observer(), trial, arm, &req, limits);
+                }
+            })?;
         let options = &generation.options;
-        // The policy only matters, and is only looked up, with a cloud tier.
-        let escalation = self.cloud_tier.as_ref().map(|tier| (tier, options.cascade(model.name())));
+        let escalation = self.cloud_tier.as_ref().map(|tier| (tier, &settings.cascade));
         let cascade = Cascade::plan(escalation, &options.node_id, &req, &envelope, deadline.at());
-        deadline
+        let answered = deadline
             .bound(async {
-                let ticket = match self.cache.check(model, &req, &prepared.input, cascade.cache_tier()).await
-                {
+                let lookup = (cascade.cache_tier(), settings.cache_ttl, settings.version.as_str());
+                let ticket = match self.cache.check(model, &req, &prepared.input, lookup).await {
                     Lookup::Hit(response) => return Ok(cascade.cached(response, &req.id)),
                     Lookup::Miss(ticket) => Some(ticket),
                     Lookup::Bypass => None,
@@ -395,20 +413,26 @@ impl Engine {
                     // Only a request taking part in a rollout reports to it.
                     let trial = route.trial.as_ref().zip(self.rollout.as_ref());
                     let comparison =
-                        trial.and_then(|(t, _)| trial::comparison(t, model, &prepared, &req, limits));
+                        trial.and_then(|(t, _)| trial::comparison(t, arm, &prepared, &req, limits));
                     let watch = trial.map(|(trial, rollout)| {
-                        let threshold = escalation.map(|(_, policy)| policy.threshold);
                         let observer = rollout.observer();
-                        let settings =
-                            trial::Settings { observer, node, measure: cascade.measure(), threshold };
-                        trial::Watch::start(settings, trial, model, deadline.at())
+                        let escalates = escalation.is_some();
+                        let reporter =
+                            trial::Reporter { observer, node, measure: cascade.measure(), escalates };
+                        trial::Watch::start(reporter, trial, arm, deadline.at())
                     });
-                    let answer = match runner.run(prepared, deadline.at()).await {
+                    let answer = match arm.runner.run(prepared, deadline.at()).await {
                         Ok(outputs) => {
                             postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
                         }
                         Err(e) => Err(e),
                     };
+                    // Named on the edge answer too: an async escalation's
+                    // follow-up carries it from the spool.
+                    let answer = answer.map(|mut a| {
+                        a.response.parameters.config_version = Some(settings.version.clone());
+                        a
+                    });
                     if let Some(watch) = watch {
                         watch.finish(&req, &answer, comparison);
                     }
@@ -424,7 +448,11 @@ impl Engine {
                 self.cache.store(ticket, &response);
                 Ok(response)
             })
-            .await
+            .await;
+        answered.map(|mut response| {
+            response.parameters.config_version = Some(settings.version.clone());
+            response
+        })
     }
 
     fn record(
@@ -511,15 +539,19 @@ impl Engine {
                 let generation = engine.current();
                 // The version that gave the provisional answer (a canary's
                 // candidate, say), if it is still loaded; else the serving one.
-                let answered: Option<String> = serde_json::from_slice::<serde_json::Value>(&entry.edge)
-                    .ok()
-                    .and_then(|edge| Some(edge["model_version"].as_str()?.to_string()));
+                let edge = serde_json::from_slice::<serde_json::Value>(&entry.edge).ok();
+                let field = |value: &serde_json::Value| value.as_str().map(str::to_string);
+                let answered = edge.as_ref().and_then(|edge| field(&edge["model_version"]));
+                // The config it was answered with ends the request too.
+                let config_version =
+                    edge.as_ref().and_then(|edge| field(&edge["parameters"]["config_version"]));
                 let model = answered
                     .and_then(|v| generation.registry.get(&entry.model, Some(&v)).ok())
                     .or_else(|| engine.serving_model(&entry.model).ok());
                 let node = &generation.options.node_id;
                 match cascade::finish(model.as_deref(), &entry, cloud, node) {
-                    Some((req, reply)) => {
+                    Some((req, mut reply)) => {
+                        reply.parameters.config_version = config_version;
                         if let (Some(capture), Some(model)) = (&engine.capture, &model) {
                             capture.offer(model, &req, &reply);
                         }

@@ -1,10 +1,10 @@
 //! What the engine is told: plain settings, turned from the config file's
 //! data into the engine's own policies (batching, escalation) here.
 
-use super::batch::BatchPolicy;
-use super::cascade::CascadePolicy;
-use crate::config::{Config, LimitsConfig, RolloutPolicy};
+use super::settings::Settings;
+use crate::config::{Config, LimitsConfig, RolloutPolicy, ServingConfig};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -14,14 +14,13 @@ pub struct EngineOptions {
     pub threads_per_model: usize,
     /// Requests waiting in a model's queue before `overloaded`.
     pub queue_capacity: usize,
-    /// Batching for models without their own policy.
-    pub batching: BatchPolicy,
-    /// Per-model batching, by model name.
-    pub model_batching: HashMap<String, BatchPolicy>,
-    /// How models escalate to the cloud tier (used only with one), by name;
-    /// models not listed take `default_cascade`.
-    pub cascade: HashMap<String, CascadePolicy>,
-    pub default_cascade: CascadePolicy,
+    /// Each model's serving settings as the node config has them (its
+    /// config version), by name; models not listed take `default_settings`.
+    pub settings: HashMap<String, Arc<Settings>>,
+    pub default_settings: Arc<Settings>,
+    /// The same, as the config's values (what a config candidate changes).
+    pub serving: HashMap<String, ServingConfig>,
+    pub default_serving: ServingConfig,
     /// How each model's rollouts step and judge; models not listed take
     /// the defaults.
     pub rollout: HashMap<String, RolloutPolicy>,
@@ -30,16 +29,18 @@ pub struct EngineOptions {
 impl EngineOptions {
     /// The options the config file asks for.
     pub fn from_config(config: &Config) -> EngineOptions {
-        let batching = |model: &str| BatchPolicy::from_config(config, model);
+        let serving: HashMap<String, ServingConfig> =
+            config.models.keys().map(|m| (m.clone(), config.serving(m))).collect();
+        let default_serving = config.default_serving();
         EngineOptions {
             node_id: config.node.id.clone(),
             limits: config.limits.clone(),
             threads_per_model: config.runtime.threads_per_model,
             queue_capacity: config.runtime.queue_capacity,
-            batching: batching(""),
-            model_batching: config.models.keys().map(|m| (m.clone(), batching(m))).collect(),
-            cascade: config.models.iter().map(|(m, c)| (m.clone(), CascadePolicy::new(c))).collect(),
-            default_cascade: CascadePolicy::new(&Default::default()),
+            settings: serving.iter().map(|(m, s)| (m.clone(), Arc::new(Settings::new(s)))).collect(),
+            default_settings: Arc::new(Settings::new(&default_serving)),
+            serving,
+            default_serving,
             rollout: config.models.iter().map(|(m, c)| (m.clone(), c.rollout.clone())).collect(),
         }
     }
@@ -49,12 +50,14 @@ impl EngineOptions {
         self.rollout.get(model).cloned().unwrap_or_default()
     }
 
-    pub fn cascade(&self, model: &str) -> &CascadePolicy {
-        self.cascade.get(model).unwrap_or(&self.default_cascade)
+    /// `model`'s settings from the node config.
+    pub fn settings(&self, model: &str) -> &Arc<Settings> {
+        self.settings.get(model).unwrap_or(&self.default_settings)
     }
 
-    pub fn batching(&self, model: &str) -> &BatchPolicy {
-        self.model_batching.get(model).unwrap_or(&self.batching)
+    /// `model`'s serving values from the node config.
+    pub fn serving(&self, model: &str) -> &ServingConfig {
+        self.serving.get(model).unwrap_or(&self.default_serving)
     }
 }
 
@@ -62,14 +65,9 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             node_id: "edgeinfer".into(),
-            limits: LimitsConfig::default(),
             threads_per_model: 1,
             queue_capacity: 1024,
-            batching: BatchPolicy::default(),
-            model_batching: HashMap::new(),
-            cascade: HashMap::new(),
-            default_cascade: CascadePolicy::new(&Default::default()),
-            rollout: HashMap::new(),
+            ..EngineOptions::from_config(&Config::default())
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Stage 3: check the request against the model's signature, then type and
-//! scale its input as the manifest says. Every error names the field and the fix.
+//! scale its input as the manifest says (or the config serving it: `scaling`). Every error names the field and the fix.
 
 use crate::config::LimitsConfig;
-use crate::model::LoadedModel;
+use crate::model::{LoadedModel, Preprocess};
 use crate::protocol::{Datatype, InferError, InferRequest, TensorData};
 use crate::telemetry::{self, Stage};
 use std::time::Instant;
@@ -18,9 +18,10 @@ pub fn prepare(
     model: &LoadedModel,
     req: &InferRequest,
     limits: &LimitsConfig,
+    scaling: &Preprocess,
 ) -> Result<Prepared, InferError> {
     let started = Instant::now();
-    let prepared = check_and_type(model, req, limits)?;
+    let prepared = check_and_type(model, req, limits, scaling)?;
     telemetry::observe_stage(model.name(), Stage::Preprocess, started.elapsed().as_secs_f64());
     Ok(prepared)
 }
@@ -29,6 +30,7 @@ fn check_and_type(
     model: &LoadedModel,
     req: &InferRequest,
     limits: &LimitsConfig,
+    scaling: &Preprocess,
 ) -> Result<Prepared, InferError> {
     let spec = &model.manifest.input;
     let name = model.name();
@@ -101,9 +103,7 @@ fn check_and_type(
             )));
         }
     }
-    let input = model
-        .manifest
-        .preprocess
+    let input = scaling
         .apply(input.data.clone(), spec.datatype)
         .map_err(|m| InferError::invalid_input(format!("inputs[0].data: {m}")))?;
     Ok(Prepared { rows, input })

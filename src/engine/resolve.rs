@@ -4,61 +4,85 @@
 //! `parameters.model_version`, which wins over the deployment state: during
 //! a rollout the candidate answers its share of devices (sticky by the
 //! device the transport names, so a device does not flip between versions),
-//! otherwise the stable version it pins, otherwise the newest.
+//! otherwise the stable version it pins, otherwise the newest. With the
+//! version comes the config it serves with (`settings.rs`): stable's, or a
+//! config rollout's candidate for its share of devices.
 
 use super::envelope::Envelope;
-use super::run::Runner;
+use super::generation::Generation;
+use super::settings::Arm;
 use crate::config::RolloutMode;
-use crate::model::Versions;
 use crate::protocol::{InferError, InferRequest};
 use crate::rollout::Deployments;
+use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
 
 /// Where a request goes.
-pub struct Route<'g> {
-    pub runner: &'g Arc<Runner>,
+pub struct Route {
+    pub arm: Arm,
     /// During a rollout: its answer is reported to the rollout, and maybe
     /// also run on the other version to compare.
-    pub trial: Option<Trial<'g>>,
+    pub trial: Option<Trial>,
 }
 
 /// A request taking part in a rollout.
-pub struct Trial<'g> {
-    /// The version that does not answer it.
-    pub other: &'g Arc<Runner>,
+pub struct Trial {
+    /// The version (or config) that does not answer it.
+    pub other: Arm,
     /// Whether to also run it on `other` and compare the answers.
     pub compare: bool,
     /// The rollout's step it was routed in.
     pub step_id: u64,
 }
 
-pub fn resolve<'g>(
-    runners: &'g Versions<Arc<Runner>>,
+pub fn resolve(
+    generation: &Generation,
     envelope: &Envelope<'_>,
     req: &InferRequest,
     deployments: Option<&Deployments>,
-) -> Result<Route<'g>, InferError> {
-    if let Some(version) = envelope.version.or(req.parameters.model_version.as_deref()) {
-        return Ok(Route { runner: runners.get(envelope.model, Some(version))?, trial: None });
-    }
+) -> Result<Route, InferError> {
+    let (runners, options) = (&generation.runners, &generation.options);
     let deployment = deployments.and_then(|d| d.models.get(envelope.model));
+    let node = options.settings(envelope.model);
+    let deployed = &generation.deployed;
+    // The config versions any deployment names: threads started for one
+    // no longer named stop.
+    let live = || -> BTreeSet<String> {
+        let models = deployments.into_iter().flat_map(|d| d.models.values());
+        let named = models
+            .flat_map(|d| [d.stable_config.clone(), d.candidate.as_ref().and_then(|c| c.config.clone())]);
+        named.flatten().collect()
+    };
+    let sizing = (options.threads_per_model, options.queue_capacity);
+    let arm = |runner, config: Option<&String>| {
+        deployed.arm(runner, deployed.settings(config, deployment, node), sizing, live)
+    };
+    let stable_config = deployment.and_then(|d| d.stable_config.as_ref());
+    if let Some(version) = envelope.version.or(req.parameters.model_version.as_deref()) {
+        let runner = runners.get(envelope.model, Some(version))?;
+        return Ok(Route { arm: arm(runner, stable_config)?, trial: None });
+    }
     let stable = runners.serving(envelope.model, deployment.map(|d| d.stable.as_str()))?;
-    let plain = Route { runner: stable, trial: None };
-    let Some(candidate) = deployment.and_then(|d| d.candidate.as_ref()) else { return Ok(plain) };
+    let Some(candidate) = deployment.and_then(|d| d.candidate.as_ref()) else {
+        return Ok(Route { arm: arm(stable, stable_config)?, trial: None });
+    };
     // A candidate whose directory is gone (removed by hand): stable serves.
-    let Ok(on_trial) = runners.get(envelope.model, Some(&candidate.version)) else { return Ok(plain) };
+    let Ok(on_trial) = runners.get(envelope.model, Some(&candidate.version)) else {
+        return Ok(Route { arm: arm(stable, stable_config)?, trial: None });
+    };
+    let (stable, on_trial) =
+        (arm(stable, stable_config)?, arm(on_trial, candidate.config.as_ref().or(stable_config))?);
     let sampled = || fastrand::f64() < candidate.policy.compare_share;
     let step_id = candidate.step_id;
     if candidate.mode == RolloutMode::Shadow {
         let trial = Trial { other: on_trial, compare: sampled(), step_id };
-        return Ok(Route { runner: stable, trial: Some(trial) });
+        return Ok(Route { arm: stable, trial: Some(trial) });
     }
     let place = split_key(envelope.device, &req.id).map_or_else(|| fastrand::u32(..10_000), bucket);
     if place < u32::from(candidate.share()) * 100 {
-        Ok(Route { runner: on_trial, trial: Some(Trial { other: stable, compare: sampled(), step_id }) })
+        Ok(Route { arm: on_trial, trial: Some(Trial { other: stable, compare: sampled(), step_id }) })
     } else {
-        Ok(Route { runner: stable, trial: Some(Trial { other: on_trial, compare: false, step_id }) })
+        Ok(Route { arm: stable, trial: Some(Trial { other: on_trial, compare: false, step_id }) })
     }
 }
 

@@ -17,6 +17,8 @@ use tokio::sync::oneshot;
 
 pub struct Runner {
     model: Arc<LoadedModel>,
+    /// How its threads form batches.
+    batching: BatchPolicy,
     queue: SyncSender<Queued>,
     /// Batches its threads finished, and the count the last probe saw: a
     /// full queue with no batch finished since is a wedged model.
@@ -116,6 +118,7 @@ impl Runner {
         let sampled = Mutex::new((Instant::now(), 0));
         Ok(Runner {
             model,
+            batching: policy,
             queue,
             finished,
             probed: AtomicU64::new(0),
@@ -145,6 +148,10 @@ impl Runner {
     /// The model version these threads run.
     pub fn model(&self) -> &Arc<LoadedModel> {
         &self.model
+    }
+
+    pub fn batching(&self) -> &BatchPolicy {
+        &self.batching
     }
 
     pub async fn run(

@@ -8,21 +8,21 @@
 use super::postprocess::{self, EdgeAnswer};
 use super::preprocess::{self, Prepared};
 use super::resolve::Trial;
-use super::run::Runner;
+use super::settings::Arm;
 use crate::config::LimitsConfig;
-use crate::model::LoadedModel;
 use crate::protocol::{Confidence, ErrorCode, InferError, InferRequest};
 use crate::rollout::{Compared, Observer, Seen};
 use std::time::{Duration, Instant};
 
 /// Where answers are reported, and what the trial needs of the request's
 /// settings.
-pub struct Settings<'a> {
+pub struct Reporter<'a> {
     pub observer: Observer,
     pub node: &'a str,
     pub measure: Confidence,
-    /// The model's escalation threshold, with a cloud tier.
-    pub threshold: Option<f32>,
+    /// Whether the node has a cloud tier (then escalations are counted,
+    /// against each config's own threshold).
+    pub escalates: bool,
 }
 
 /// One request's part in a rollout, from just before its run. Dropped
@@ -31,9 +31,9 @@ pub struct Settings<'a> {
 /// traffic cannot hide it; dropped for another reason (a client that hung
 /// up, a shutdown) it reports nothing.
 pub struct Watch<'a> {
-    settings: Settings<'a>,
-    trial: &'a Trial<'a>,
-    model: &'a LoadedModel,
+    settings: Reporter<'a>,
+    trial: &'a Trial,
+    arm: &'a Arm,
     due: Option<Instant>,
     started: Instant,
     finished: bool,
@@ -48,8 +48,8 @@ pub type Comparison = Option<Result<Prepared, InferError>>;
 /// differently (its manifest's input or scaling). Worked out before the
 /// request's own run is timed.
 pub fn comparison(
-    trial: &Trial<'_>,
-    model: &LoadedModel,
+    trial: &Trial,
+    arm: &Arm,
     prepared: &Prepared,
     req: &InferRequest,
     limits: &LimitsConfig,
@@ -57,37 +57,29 @@ pub fn comparison(
     if !trial.compare {
         return None;
     }
-    let (mine, other) = (&model.manifest, &trial.other.model().manifest);
-    if mine.input == other.input && mine.preprocess == other.preprocess {
+    let (model, other) = (arm.runner.model(), trial.other.runner.model());
+    let scaling = |a: &Arm| a.settings.preprocess(a.runner.model());
+    if model.manifest.input == other.manifest.input && scaling(arm) == scaling(&trial.other) {
         Some(Ok(prepared.clone()))
     } else {
-        Some(preprocess::prepare(trial.other.model(), req, limits))
+        Some(preprocess::prepare(other, req, limits, &scaling(&trial.other)))
     }
 }
 
 /// A request the answering version refused at preprocessing: a failure of
 /// that version when the other one accepts the same input (a device's own
 /// bad input is refused by both, and is nobody's failure).
-pub fn refused(
-    observer: &Observer,
-    trial: &Trial<'_>,
-    model: &LoadedModel,
-    req: &InferRequest,
-    limits: &LimitsConfig,
-) {
-    if preprocess::prepare(trial.other.model(), req, limits).is_ok() {
-        observer.observe(failure(model, trial.step_id, Duration::ZERO, Compared::No));
+pub fn refused(observer: &Observer, trial: &Trial, arm: &Arm, req: &InferRequest, limits: &LimitsConfig) {
+    let other = &trial.other;
+    let scaling = other.settings.preprocess(other.runner.model());
+    if preprocess::prepare(other.runner.model(), req, limits, &scaling).is_ok() {
+        observer.observe(failure(arm, trial.step_id, Duration::ZERO, Compared::No));
     }
 }
 
 impl<'a> Watch<'a> {
-    pub fn start(
-        settings: Settings<'a>,
-        trial: &'a Trial<'a>,
-        model: &'a LoadedModel,
-        due: Option<Instant>,
-    ) -> Watch<'a> {
-        Watch { settings, trial, model, due, started: Instant::now(), finished: false }
+    pub fn start(settings: Reporter<'a>, trial: &'a Trial, arm: &'a Arm, due: Option<Instant>) -> Watch<'a> {
+        Watch { settings, trial, arm, due, started: Instant::now(), finished: false }
     }
 
     /// Reports `answer` and starts the comparison run, if any.
@@ -101,21 +93,15 @@ impl<'a> Watch<'a> {
         let settings = &self.settings;
         let latency = self.started.elapsed();
         let step_id = self.trial.step_id;
-        settings.observer.observe(seen(
-            self.model,
-            step_id,
-            answer,
-            latency,
-            settings.threshold,
-            Compared::No,
-        ));
+        let escalates = settings.escalates;
+        settings.observer.observe(seen(self.arm, step_id, answer, latency, escalates, Compared::No));
         let (Some(comparison), Ok(first)) = (comparison, answer) else { return };
         let other = self.trial.other.clone();
         let input = match comparison {
             Ok(input) => input,
             Err(_) => {
                 // The other version refuses what this one answered.
-                settings.observer.observe(failure(other.model(), step_id, Duration::ZERO, Compared::Failed));
+                settings.observer.observe(failure(&other, step_id, Duration::ZERO, Compared::Failed));
                 return;
             }
         };
@@ -129,7 +115,7 @@ impl<'a> Watch<'a> {
             outputs: req.outputs.clone(),
             parameters: req.parameters.clone(),
         };
-        let (node, measure, threshold) = (settings.node.to_string(), settings.measure, settings.threshold);
+        let (node, measure) = (settings.node.to_string(), settings.measure);
         tokio::spawn(async move {
             let (answer, latency) = run(&other, input, &req, &node, measure).await;
             let compared = match &answer {
@@ -138,7 +124,7 @@ impl<'a> Watch<'a> {
                 Err(_) => Compared::Failed,
                 Ok(a) => Compared::labels(label.as_deref(), a.response.parameters.label.as_deref()),
             };
-            observer.observe(seen(other.model(), step_id, &answer, latency, threshold, compared));
+            observer.observe(seen(&other, step_id, &answer, latency, escalates, compared));
         });
     }
 }
@@ -147,28 +133,28 @@ impl Drop for Watch<'_> {
     fn drop(&mut self) {
         let timed_out = self.due.is_some_and(|due| Instant::now() >= due);
         if !self.finished && timed_out {
-            let failure = failure(self.model, self.trial.step_id, self.started.elapsed(), Compared::No);
+            let failure = failure(self.arm, self.trial.step_id, self.started.elapsed(), Compared::No);
             self.settings.observer.observe(failure);
         }
     }
 }
 
-fn failure(model: &LoadedModel, step_id: u64, latency: Duration, compared: Compared) -> Seen {
+fn failure(arm: &Arm, step_id: u64, latency: Duration, compared: Compared) -> Seen {
     let failed: Result<EdgeAnswer, InferError> = Err(InferError::internal(String::new()));
-    seen(model, step_id, &failed, latency, None, compared)
+    seen(arm, step_id, &failed, latency, false, compared)
 }
 
-/// `input` on `runner`, postprocessed as the request's answer would be.
+/// `input` on `arm`, postprocessed as the request's answer would be.
 async fn run(
-    runner: &Runner,
+    arm: &Arm,
     input: Prepared,
     req: &InferRequest,
     node: &str,
     measure: Confidence,
 ) -> (Result<EdgeAnswer, InferError>, Duration) {
     let started = Instant::now();
-    let answer = match runner.run(input, None).await {
-        Ok(outputs) => postprocess::edge_answer(runner.model(), req, outputs, node, measure),
+    let answer = match arm.runner.run(input, None).await {
+        Ok(outputs) => postprocess::edge_answer(arm.runner.model(), req, outputs, node, measure),
         Err(e) => Err(e),
     };
     (answer, started.elapsed())
@@ -179,17 +165,20 @@ async fn run(
 /// weighs it against stable's rate over the same time, so load on the
 /// whole node does not count against the candidate.
 fn seen(
-    model: &LoadedModel,
+    arm: &Arm,
     step_id: u64,
     answer: &Result<EdgeAnswer, InferError>,
     latency: Duration,
-    threshold: Option<f32>,
+    escalates: bool,
     compared: Compared,
 ) -> Seen {
     let confidence = answer.as_ref().ok().map(|a| a.confidence);
+    let model = arm.runner.model();
+    let threshold = escalates.then_some(arm.settings.cascade.threshold);
     Seen {
         model: model.name().to_string(),
         version: model.version().to_string(),
+        config: arm.settings.version.clone(),
         step_id,
         latency,
         failed: answer.is_err(),

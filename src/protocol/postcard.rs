@@ -53,6 +53,8 @@ pub struct WireResponse {
     /// Appended with the cloud tier (older decoders stop before them).
     pub degraded: bool,
     pub is_final: Option<bool>,
+    /// Appended with config rollouts.
+    pub config_version: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,6 +139,7 @@ impl From<InferResponse> for WireResponse {
             top_k: r.parameters.top_k.unwrap_or_default(),
             degraded: r.parameters.degraded,
             is_final: r.parameters.is_final,
+            config_version: r.parameters.config_version,
         }
     }
 }
@@ -166,6 +169,7 @@ impl From<WireResponse> for InferResponse {
                 top_k: (!w.top_k.is_empty()).then_some(w.top_k),
                 degraded: w.degraded,
                 is_final: w.is_final,
+                config_version: w.config_version,
             },
         }
     }

@@ -274,6 +274,10 @@ pub struct ResponseParameters {
     /// on the reply that ends the request.
     #[serde(rename = "final", skip_serializing_if = "Option::is_none")]
     pub is_final: Option<bool>,
+    /// The config version the model served with (beside `model_version`):
+    /// a config rollout's candidate or stable's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_version: Option<String>,
 }
 
 /// One entry of the `top_k` list: a label and its probability, best first.

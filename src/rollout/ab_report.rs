@@ -22,6 +22,8 @@ pub struct AbReport {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AbVersion {
+    /// The version; `VERSION+CONFIG` where the version answered with more
+    /// than one config (a config rollout, a reload that changed it).
     pub version: String,
     pub answers: u64,
     pub labels: u64,
@@ -64,8 +66,9 @@ impl AbReport {
         if quality.is_empty() {
             return Err(AbReportError::NoFeedback(model.into()));
         }
-        let Some(base) = quality.iter().find(|q| q.version == baseline) else {
-            let known = quality.iter().map(|q| q.version.as_str()).collect::<Vec<_>>().join(", ");
+        let labels: Vec<String> = quality.iter().map(|q| arm(q, &quality)).collect();
+        let Some(base) = labels.iter().position(|l| l == baseline).map(|at| quality[at]) else {
+            let known = labels.join(", ");
             return Err(AbReportError::UnknownBaseline {
                 model: model.into(),
                 version: baseline.into(),
@@ -75,11 +78,12 @@ impl AbReport {
         let share = |n: u64, of: u64| (of > 0).then(|| n as f64 / of as f64);
         let versions = quality
             .iter()
-            .map(|q| {
+            .zip(labels)
+            .map(|(q, label)| {
                 let (f, b) = (&q.figures, &base.figures);
-                let against = q.version != baseline;
+                let against = label != baseline;
                 AbVersion {
-                    version: q.version.clone(),
+                    version: label,
                     answers: q.answers,
                     labels: f.labels,
                     label_coverage: share(f.labels, q.answers),
@@ -93,6 +97,16 @@ impl AbReport {
             })
             .collect();
         Ok(AbReport { model: model.into(), level, baseline: baseline.into(), versions })
+    }
+}
+
+/// How a report names `q`: its version, with its config where the version
+/// answered with several.
+pub fn arm(q: &FieldQuality, all: &[&FieldQuality]) -> String {
+    let configs = all.iter().filter(|o| o.model == q.model && o.version == q.version).count();
+    match &q.config {
+        Some(config) if configs > 1 => format!("{}+{config}", q.version),
+        _ => q.version.clone(),
     }
 }
 
@@ -221,12 +235,23 @@ mod tests {
     fn quality(version: &str, accepted: f64, right: f64, n: usize, rng: &mut fastrand::Rng) -> FieldQuality {
         let mut figures = FieldFigures::default();
         for _ in 0..n {
-            let seen =
-                |says| FieldSeen { model: "digits".into(), version: version.into(), weight: 1.0, says };
+            let seen = |says| FieldSeen {
+                model: "digits".into(),
+                version: version.into(),
+                config: String::new(),
+                weight: 1.0,
+                says,
+            };
             figures.record(&seen(FieldSays::Outcome(f64::from(u8::from(rng.f64() < accepted)))));
             figures.record(&seen(FieldSays::Label { correct: rng.f64() < right }));
         }
-        FieldQuality { model: "digits".into(), version: version.into(), answers: 2 * n as u64, figures }
+        FieldQuality {
+            model: "digits".into(),
+            version: version.into(),
+            config: None,
+            answers: 2 * n as u64,
+            figures,
+        }
     }
 
     /// Over many simulated A/B runs (outcomes accepted 40% against 70%,
@@ -305,6 +330,26 @@ mod tests {
         (old.figures.label_weight_sq, old.figures.outcome_weight_sq) = (0.0, 0.0);
         assert_eq!(old.figures.accuracy().map(|a| a.1), Some(40.0));
         assert_eq!(old.figures.outcome().map(|o| o.2), Some(40.0));
+    }
+
+    /// A config rollout: one version answering with two configs gives two
+    /// rows, named by their configs; a version with one keeps its name.
+    #[test]
+    fn a_version_answering_with_two_configs_gets_a_row_for_each() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        let arm = |config: &str, accepted: f64, rng: &mut fastrand::Rng| FieldQuality {
+            config: Some(config.into()),
+            ..quality("1", accepted, 0.9, 200, rng)
+        };
+        let other = FieldQuality { config: Some("aaa".into()), ..quality("2", 0.5, 0.9, 200, &mut rng) };
+        let figures = [arm("aaa", 0.7, &mut rng), arm("bbb", 0.3, &mut rng), other];
+        let report = AbReport::new("digits", &figures, "1+aaa", 0.95).unwrap();
+        let names: Vec<&str> = report.versions.iter().map(|v| v.version.as_str()).collect();
+        assert_eq!(names, ["1+aaa", "1+bbb", "2"]);
+        let candidate = report.versions[1].outcome_difference.unwrap();
+        assert!(candidate.high < 0.0, "the lower outcome of config bbb is found: {candidate:?}");
+        let err = AbReport::new("digits", &figures, "1", 0.95).unwrap_err().to_string();
+        assert!(err.contains("1+aaa, 1+bbb, 2"), "{err}");
     }
 
     #[test]

@@ -7,7 +7,12 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Candidate {
+    /// The model version on trial; for a config rollout, stable's.
     pub version: String,
+    /// For a config rollout: the config version on trial (its text in
+    /// `Deployment::configs`), answering with stable's model version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     pub mode: RolloutMode,
     /// The steps and gates this rollout was started with.
     pub policy: RolloutPolicy,
@@ -35,6 +40,19 @@ impl Candidate {
             RolloutMode::Ab => self.policy.ab_share,
             RolloutMode::Shadow => 0,
         }
+    }
+
+    /// What is on trial, in words: `v2`, or `config 3f2a...` on stable's version.
+    pub fn describe(&self) -> String {
+        match &self.config {
+            Some(config) => format!("config {config}"),
+            None => format!("v{}", self.version),
+        }
+    }
+
+    /// Whether an answer of `version` with config `config` is the candidate's.
+    pub fn answered(&self, version: &str, config: &str) -> bool {
+        version == self.version && self.config.as_ref().is_none_or(|c| c == config)
     }
 
     /// Where the rollout stands, in words (for decisions' reasons).

@@ -23,6 +23,8 @@ use serde::{Deserialize, Serialize};
 pub struct FieldSeen {
     pub model: String,
     pub version: String,
+    /// The config version the answer was given with.
+    pub config: String,
     pub weight: f64,
     pub says: FieldSays,
 }
@@ -115,11 +117,15 @@ fn effective(count: u64, weight: f64, weight_sq: f64) -> f64 {
     if n.is_finite() && weight_sq > 0.0 { n.min(count as f64) } else { count as f64 }
 }
 
-/// One version's field figures since the node started.
+/// One version's field figures since the node started (one config's:
+/// during a config rollout a version answers with two).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct FieldQuality {
     pub model: String,
     pub version: String,
+    /// The config version its answers were served with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     /// Answers recorded for feedback.
     pub answers: u64,
     #[serde(flatten)]

@@ -15,6 +15,8 @@ use std::time::Duration;
 pub struct Seen {
     pub model: String,
     pub version: String,
+    /// The config version it was answered with.
+    pub config: String,
     /// The step it was routed in (`Candidate::step_id`).
     pub step_id: u64,
     /// From the queue to the outputs: what the version costs a request.
@@ -526,6 +528,7 @@ mod tests {
     fn candidate(policy: RolloutPolicy) -> Candidate {
         Candidate {
             version: "2".into(),
+            config: None,
             mode: RolloutMode::Canary,
             policy,
             step: 0,
@@ -546,6 +549,7 @@ mod tests {
         Seen {
             model: "digits".into(),
             version: String::new(),
+            config: String::new(),
             step_id: 7,
             latency: Duration::from_micros(us),
             failed,
@@ -564,13 +568,20 @@ mod tests {
 
     fn label(version: &str, correct: bool) -> FieldSeen {
         let says = FieldSays::Label { correct };
-        FieldSeen { model: "digits".into(), version: version.into(), weight: 1.0, says }
+        FieldSeen {
+            model: "digits".into(),
+            version: version.into(),
+            config: String::new(),
+            weight: 1.0,
+            says,
+        }
     }
 
     fn outcome(version: &str, x: f64) -> FieldSeen {
         FieldSeen {
             model: "digits".into(),
             version: version.into(),
+            config: String::new(),
             weight: 1.0,
             says: FieldSays::Outcome(x),
         }

@@ -22,11 +22,11 @@ pub use candidate::Candidate;
 pub use field::FieldQuality;
 pub use field::{FieldFigures, FieldSays, FieldSeen};
 pub use gates::{Compared, Gate, GateResult, Seen, Trial, Verdict};
-pub use plan::Plan;
+pub use plan::{ConfigPlan, Plan};
 pub use site::{SiteIn, SiteOut, StepFigures};
 pub use state::{
-    Action, Asker, Available, Decision, Deployed, Deployment, Deployments, ModelReport, RolloutError,
-    VersionRecord,
+    Action, Asker, Available, ConfigChange, ConfigRecord, ConfigShown, Decision, Deployed, Deployment,
+    Deployments, ModelReport, RolloutError, VersionRecord,
 };
 
 use gates::Window;
@@ -63,7 +63,7 @@ enum Command {
     },
     Rollout {
         model: String,
-        plan: Plan,
+        plan: Box<Plan>,
         available: Available,
         by: Asker,
         reply: Answer,
@@ -105,9 +105,10 @@ impl Command {
                 format!("promote {model} {}", version.as_deref().map_or("newest".into(), |v| format!("v{v}")))
             }
             Command::Rollback { model, .. } => format!("rollback {model}"),
-            Command::Rollout { model, plan, .. } => {
-                format!("rollout {model} v{} {}", plan.version, plan.mode.as_str())
-            }
+            Command::Rollout { model, plan, .. } => match &plan.config {
+                Some(config) => format!("rollout {model} config {} {}", config.version, plan.mode.as_str()),
+                None => format!("rollout {model} v{} {}", plan.version, plan.mode.as_str()),
+            },
             Command::Pin { model, version, .. } => format!("pin {model} v{version}"),
             Command::End { model, version, .. } => format!("end the rollout of {model} v{version}"),
             Command::Site(_) => "the site's".into(),
@@ -263,7 +264,10 @@ impl Rollout {
         by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        self.ask_blocking(Command::Rollout { model: model.into(), plan, available, by, reply }, answer)
+        self.ask_blocking(
+            Command::Rollout { model: model.into(), plan: Box::new(plan), available, by, reply },
+            answer,
+        )
     }
 
     /// Ends the rollout of `model` v`version`, only if it is the one
@@ -309,7 +313,8 @@ impl Rollout {
         by: Asker,
     ) -> Result<Decision, RolloutError> {
         let (reply, answer) = oneshot::channel();
-        self.ask(Command::Rollout { model: model.into(), plan, available, by, reply }, answer).await
+        self.ask(Command::Rollout { model: model.into(), plan: Box::new(plan), available, by, reply }, answer)
+            .await
     }
 
     /// Pins `version`, the one serving, as `model`'s stable where none is.
@@ -426,7 +431,7 @@ impl Owner {
     fn count(&mut self, seen: &Seen) {
         let Some(deployment) = self.state.models.get(&seen.model) else { return };
         let Some(candidate) = &deployment.candidate else { return };
-        let is_candidate = seen.version == candidate.version;
+        let is_candidate = candidate.answered(&seen.version, &seen.config);
         if seen.step_id != candidate.step_id || (!is_candidate && seen.version != deployment.stable) {
             return;
         }
@@ -438,7 +443,7 @@ impl Owner {
     fn count_field(&mut self, field: &FieldSeen) {
         let Some(deployment) = self.state.models.get(&field.model) else { return };
         let Some(candidate) = &deployment.candidate else { return };
-        let is_candidate = field.version == candidate.version;
+        let is_candidate = candidate.answered(&field.version, &field.config);
         if !is_candidate && field.version != deployment.stable {
             return;
         }
@@ -488,11 +493,13 @@ impl Owner {
                 (next.rollback(&model, &available, &by, now_s), reply)
             }
             Command::Rollout { model, plan, available, by, reply } => {
-                (next.start_rollout(&model, plan, &available, &by, now_s), reply)
+                (next.start_rollout(&model, *plan, &available, &by, now_s), reply)
             }
             Command::Pin { model, version, by, reply } => (next.pin(&model, &version, &by, now_s), reply),
             Command::End { model, version, by, reply } => {
-                let running = next.models.get(&model).and_then(|d| d.candidate.as_ref()).map(|c| &c.version);
+                let running = next.models.get(&model).and_then(|d| d.candidate.as_ref());
+                // A config rollout runs on stable's version: not the one asked about.
+                let running = running.filter(|c| c.config.is_none()).map(|c| &c.version);
                 let ended =
                     if running == Some(&version) { next.abandon(&model, &by, now_s, None) } else { None };
                 let why = format!("no rollout of v{version} runs");

@@ -5,8 +5,10 @@
 use super::candidate::Candidate;
 use super::gates::Verdict;
 use super::state::{
-    Action, Asker, Available, Decision, Deployments, RolloutError, keep_last, record, versions_of,
+    Action, Asker, Available, ConfigChange, ConfigRecord, Decision, Deployment, Deployments, RolloutError,
+    keep_last, promote_config, record, versions_of,
 };
+use crate::config::serving::{ServingConfig, parse_change};
 use crate::config::{OnInconclusive, RolloutMode, RolloutPolicy};
 
 /// How a rollout is asked for.
@@ -19,6 +21,64 @@ pub struct Plan {
     /// candidate (a reload or a restart): pinned as stable when none is.
     /// Without it, the newest version other than the candidate.
     pub serving_before: Option<String>,
+    /// A config rollout: the config on trial, on stable's version (then
+    /// `version` is filled in when it starts).
+    pub config: Option<ConfigPlan>,
+}
+
+/// A config candidate, worked out over the stable config.
+#[derive(Debug, Clone)]
+pub struct ConfigPlan {
+    pub version: String,
+    pub record: ConfigRecord,
+    /// The stable config it was worked out over (`Deployment::stable_config`):
+    /// if another is stable by the time it starts, it is refused.
+    pub base: Option<String>,
+    pub base_version: String,
+}
+
+impl ConfigPlan {
+    /// `file` (a config candidate) over the stable config of `deployment`
+    /// (the promoted one, else `node`'s): refused when it does not read,
+    /// sets a value out of range, or changes nothing.
+    pub fn new(
+        file: &str,
+        deployment: Option<&Deployment>,
+        node: &ServingConfig,
+        by: &str,
+        now_s: u64,
+    ) -> Result<ConfigPlan, RolloutError> {
+        let change = parse_change(file).map_err(RolloutError::BadConfig)?;
+        let stable = deployment.map_or_else(|| node.clone(), |d| d.serving_config(node));
+        let candidate = stable.with_change(&change);
+        if let Some((key, why)) = candidate.problems("config").into_iter().next() {
+            return Err(RolloutError::BadConfig(format!("{key} = {why}")));
+        }
+        let (version, base_version) = (candidate.version(), stable.version());
+        if version == base_version {
+            return Err(RolloutError::BadConfig(format!(
+                "it changes nothing: the stable config (version {base_version}) already has these values"
+            )));
+        }
+        let text = candidate.text();
+        let sha256 = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(text.as_bytes()));
+        let record = ConfigRecord { text, sha256, file: file.to_string(), at_s: now_s, by: by.to_string() };
+        let base = deployment.and_then(|d| d.stable_config.clone());
+        Ok(ConfigPlan { version, record, base, base_version })
+    }
+}
+
+impl Deployment {
+    /// The config serving this model: the promoted one, else `node`'s (also
+    /// when the record lost its text: never the case for a state this
+    /// code wrote).
+    pub fn serving_config(&self, node: &ServingConfig) -> ServingConfig {
+        self.stable_config
+            .as_ref()
+            .and_then(|v| self.configs.get(v))
+            .and_then(|r| ServingConfig::from_text(&r.text).ok())
+            .unwrap_or_else(|| node.clone())
+    }
 }
 
 impl Plan {
@@ -40,7 +100,19 @@ impl Plan {
                 .ok_or_else(|| BadPolicy(format!("mode {m:?}: use canary, shadow or ab")))?,
         };
         let policy = policy.with_overrides(steps, gates).map_err(BadPolicy)?;
-        Ok(Plan { version: version.to_string(), mode, policy, serving_before: None })
+        Ok(Plan { version: version.to_string(), mode, policy, serving_before: None, config: None })
+    }
+
+    /// `models rollout NAME --config FILE`'s request: `config` on stable's
+    /// version, with the mode and policy as `new` takes them.
+    pub fn for_config(
+        config: ConfigPlan,
+        mode: Option<&str>,
+        policy: &RolloutPolicy,
+        overrides: (Option<&str>, Option<&str>),
+    ) -> Result<Plan, RolloutError> {
+        let plan = Plan::new(Some("stable"), mode, policy, overrides)?;
+        Ok(Plan { version: String::new(), config: Some(config), ..plan })
     }
 }
 
@@ -53,12 +125,15 @@ impl Deployments {
     pub fn start_rollout(
         &mut self,
         model: &str,
-        plan: Plan,
+        mut plan: Plan,
         available: &Available,
         asker: &Asker,
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
         let versions = versions_of(model, available)?;
+        if let Some(config) = plan.config.take() {
+            return self.start_config_rollout(model, plan, config, available, asker, now_s);
+        }
         if !versions.contains(&plan.version) {
             return Err(RolloutError::UnknownVersion {
                 model: model.into(),
@@ -95,6 +170,7 @@ impl Deployments {
         deployment.stable = stable;
         let candidate = Candidate {
             version: plan.version,
+            config: None,
             mode: plan.mode,
             policy: plan.policy,
             step: 0,
@@ -105,6 +181,57 @@ impl Deployments {
             held: None,
         };
         decision.reason = format!("{} started: {}", candidate.mode.as_str(), candidate.describe_step());
+        deployment.candidate = Some(candidate);
+        Ok(record(deployment, decision))
+    }
+
+    /// Starts trying `config` on the version serving now, pinned as stable.
+    fn start_config_rollout(
+        &mut self,
+        model: &str,
+        plan: Plan,
+        config: ConfigPlan,
+        available: &Available,
+        asker: &Asker,
+        now_s: u64,
+    ) -> Result<Decision, RolloutError> {
+        plan.policy.check().map_err(|(key, why)| RolloutError::BadPolicy(format!("{key}: {why}")))?;
+        if let Some(c) = self.models.get(model).and_then(|d| d.candidate.as_ref()) {
+            let (version, mode) = (c.version.clone(), c.mode.as_str());
+            return Err(RolloutError::InRollout { model: model.into(), version, mode });
+        }
+        let stable = self.serving(model, available).unwrap_or_default().to_string();
+        let deployment = self.models.entry(model.to_string()).or_default();
+        if deployment.stable_config != config.base {
+            return Err(RolloutError::BadConfig(format!(
+                "the stable config changed while it was worked out (now {}); send it again",
+                deployment.stable_config.as_deref().unwrap_or("the node config's")
+            )));
+        }
+        deployment.stable = stable.clone();
+        deployment.configs.insert(config.version.clone(), config.record);
+        let candidate = Candidate {
+            version: stable.clone(),
+            config: Some(config.version.clone()),
+            mode: plan.mode,
+            policy: plan.policy,
+            step: 0,
+            step_started_s: now_s,
+            step_id: fastrand::u64(1..),
+            started_at_s: now_s,
+            by: asker.by.clone(),
+            held: None,
+        };
+        let mut decision = Decision::new(model, Action::Started, &stable, &stable, asker, now_s);
+        decision.reason = format!(
+            "{} of config {} (over {}) started: {}",
+            candidate.mode.as_str(),
+            config.version,
+            config.base_version,
+            candidate.describe_step()
+        );
+        decision.config =
+            Some(ConfigChange { to: Some(config.version), from: deployment.stable_config.clone() });
         deployment.candidate = Some(candidate);
         Ok(record(deployment, decision))
     }
@@ -146,6 +273,10 @@ impl Deployments {
                     return Some(record(deployment, decision));
                 }
                 let mode = candidate.mode.as_str();
+                if candidate.config.is_some() {
+                    let reason = format!("{mode}: every gate passed at the last step");
+                    return Some(promote_config(deployment, model, &gates_asker, now_s, (reason, gates)));
+                }
                 deployment.candidate = None;
                 deployment.previous.push(stable.clone());
                 keep_last(&mut deployment.previous);
@@ -175,7 +306,7 @@ mod tests {
 
     fn plan(mode: RolloutMode) -> Plan {
         let policy = RolloutPolicy { steps: vec![10, 50, 100], ..RolloutPolicy::default() };
-        Plan { version: "2".into(), mode, policy, serving_before: None }
+        Plan { version: "2".into(), mode, policy, serving_before: None, config: None }
     }
 
     #[test]
@@ -248,5 +379,68 @@ mod tests {
         let d = state.judged("digits", short, 60).unwrap();
         assert_eq!((d.action, d.version.as_str(), d.from.as_str()), (Action::RolledBack, "1", "2"));
         assert!(matches!(stable, Err(RolloutError::AlreadyStable { .. })), "{stable:?}");
+    }
+
+    fn config_plan(state: &Deployments, file: &str) -> Result<Plan, RolloutError> {
+        let node = crate::config::Config::default().serving("digits");
+        let config = ConfigPlan::new(file, state.models.get("digits"), &node, "t", 5)?;
+        let policy = RolloutPolicy { steps: vec![50, 100], ..RolloutPolicy::default() };
+        Plan::for_config(config, None, &policy, (None, None))
+    }
+
+    #[test]
+    fn a_config_rollout_runs_on_stable_and_rollback_or_promotion_set_exactly_the_right_config() {
+        let node_text = crate::config::Config::default().serving("digits").text();
+        let mut state = Deployments::default();
+        let plan = config_plan(&state, "threshold = 1.0\n").unwrap();
+        let version = plan.config.as_ref().unwrap().version.clone();
+        let start = state.start_rollout("digits", plan, &two(), &Asker::named("t"), 10).unwrap();
+        // On the serving version (the newest, pinned), with the file kept.
+        assert_eq!((start.version.as_str(), start.from.as_str()), ("2", "2"));
+        let d = &state.models["digits"];
+        let c = d.candidate.as_ref().unwrap();
+        assert_eq!((c.version.as_str(), c.config.as_deref()), ("2", Some(version.as_str())));
+        assert_eq!(d.configs[&version].file, "threshold = 1.0\n");
+        assert!(d.configs[&version].text.contains("threshold = 1.0"), "{}", d.configs[&version].text);
+        assert!(c.answered("2", &version) && !c.answered("2", "another"), "stable's answers are not its");
+        // Another rollout waits; a rollback leaves the node's config serving.
+        assert!(matches!(
+            config_plan(&state, "top_k = 2").map(|p| state.clone().start_rollout(
+                "digits",
+                p,
+                &two(),
+                &Asker::named("t"),
+                11
+            )),
+            Ok(Err(RolloutError::InRollout { .. }))
+        ));
+        let fail = Verdict::Fail { reason: "gate escalation failed".into(), gates: Vec::new() };
+        let back = state.judged("digits", fail, 12).unwrap();
+        assert_eq!(back.config, Some(ConfigChange { to: None, from: Some(version.clone()) }));
+        let d = &state.models["digits"];
+        assert_eq!((d.stable.as_str(), d.stable_config.as_ref(), d.candidate.is_none()), ("2", None, true));
+        // The same change again, passing: its config becomes stable's.
+        let plan = config_plan(&state, "threshold = 1.0\n").unwrap();
+        state.start_rollout("digits", plan, &two(), &Asker::named("t"), 20).unwrap();
+        state.judged("digits", Verdict::Pass { gates: Vec::new() }, 21).unwrap();
+        let up = state.judged("digits", Verdict::Pass { gates: Vec::new() }, 22).unwrap();
+        assert_eq!((up.action, up.config.as_ref().unwrap().to.as_ref()), (Action::Promoted, Some(&version)));
+        assert_eq!(state.models["digits"].stable_config.as_ref(), Some(&version));
+        // A change to what is stable now changes nothing: refused.
+        let same = config_plan(&state, "threshold = 1.0").unwrap_err().to_string();
+        assert!(same.contains("changes nothing"), "{same}");
+        // The report shows the deployment's config, and after a rollback the
+        // node's, byte for byte.
+        let node = |_: &str| crate::config::Config::default().serving("digits");
+        let shown = |s: &Deployments| {
+            s.report(&two(), &Default::default(), Some("digits"), &node).unwrap()[0].config.clone().unwrap()
+        };
+        assert_eq!((shown(&state).version, shown(&state).source.as_str()), (version.clone(), "deployment"));
+        let back = state.rollback("digits", &two(), &Asker::named("t"), 30).unwrap();
+        assert_eq!((back.action, back.config.unwrap().from), (Action::RolledBack, Some(version.clone())));
+        assert_eq!((shown(&state).text, shown(&state).source.as_str()), (node_text, "node config"));
+        assert_eq!(state.stable("digits"), Some("2"), "a config rollback keeps the model version");
+        // With no config promotion left to undo, a rollback is a version's.
+        assert_eq!(state.rollback("digits", &two(), &Asker::named("t"), 31).unwrap().version, "1");
     }
 }

@@ -8,6 +8,7 @@
 
 use super::candidate::Candidate;
 use super::gates::Gate;
+use crate::config::ServingConfig;
 use crate::model::Fingerprints;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -17,6 +18,9 @@ use std::path::{Path, PathBuf};
 pub const FILE_NAME: &str = "deployments.json";
 /// Decisions kept per model; older ones fall off.
 const HISTORY: usize = 50;
+/// Promoted configs a rollback may return to, per model (each at most 8 KiB
+/// with its file): older ones fall off.
+const PREVIOUS_CONFIGS: usize = 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RolloutError {
@@ -34,6 +38,8 @@ pub enum RolloutError {
     InRollout { model: String, version: String, mode: &'static str },
     #[error("{0}")]
     BadPolicy(String),
+    #[error("the config candidate: {0}")]
+    BadConfig(String),
     #[error("the deployment state {path}: {reason}")]
     State { path: PathBuf, reason: String },
     #[error(
@@ -60,7 +66,7 @@ impl RolloutError {
             | RolloutError::InRollout { .. }
             | RolloutError::IdReused { .. }
             | RolloutError::VersionRefused { .. } => "conflict",
-            RolloutError::BadPolicy(_) => "invalid_payload",
+            RolloutError::BadPolicy(_) | RolloutError::BadConfig(_) => "invalid_payload",
             RolloutError::Slow { .. } => "overloaded",
             RolloutError::State { .. } | RolloutError::Stopped => "internal",
         }
@@ -146,6 +152,20 @@ pub struct Decision {
     /// The gates' figures a rollout decision was taken on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gates: Vec<Gate>,
+    /// For a config change (a config rollout, its promotion or rollback;
+    /// `version` and `from` are then the same model version): the config
+    /// version it is about, and the one serving before. `None` inside is
+    /// the node config's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigChange>,
+}
+
+/// The config versions a config decision moves between.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigChange {
+    /// A rollout's candidate, or the config serving after the decision.
+    pub to: Option<String>,
+    pub from: Option<String>,
 }
 
 impl Decision {
@@ -174,6 +194,7 @@ impl Decision {
             command_id: asker.command_id.clone(),
             command: asker.command_id.as_ref().and(asker.asked.clone()),
             gates: Vec::new(),
+            config: None,
         }
     }
 }
@@ -191,6 +212,18 @@ pub struct Deployment {
     /// A version being tried on part of the traffic, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub candidate: Option<Candidate>,
+    /// The config version serving, once a config rollout was promoted;
+    /// `None`: the node config's `[models.NAME]` (with `[runtime]`, `[cache]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stable_config: Option<String>,
+    /// Earlier stable configs, oldest first: a rollback of a promoted
+    /// config returns to the last one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous_configs: Vec<Option<String>>,
+    /// Each config version a rollout, the stable or a decision in the
+    /// history names: its text and the file it came from.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub configs: BTreeMap<String, ConfigRecord>,
     /// Counts the changes to this deployment: with `site.rollout`, the
     /// site's copy replaces a node's when its count is higher.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -200,6 +233,19 @@ pub struct Deployment {
     /// is retried (a kill -9 meanwhile returns to the state on disk).
     #[serde(skip)]
     pub unsaved: Option<String>,
+}
+
+/// One config version in the deployment record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigRecord {
+    /// The settings as served (canonical TOML); the version is the first
+    /// 12 hex digits of its sha256, this is all of it.
+    pub text: String,
+    pub sha256: String,
+    /// The file `models rollout --config` was given, byte for byte.
+    pub file: String,
+    pub at_s: u64,
+    pub by: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -296,6 +342,16 @@ impl Deployments {
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
         let versions = versions_of(model, available)?;
+        // A config rollout: promoting it (naming no version, or its own)
+        // makes its config stable.
+        if let Some(deployment) = self.models.get_mut(model)
+            && let Some(c) = &deployment.candidate
+            && c.config.is_some()
+            && version.is_none_or(|v| v == c.version)
+        {
+            let reason = "config promoted by command".to_string();
+            return Ok(promote_config(deployment, model, asker, now_s, (reason, Vec::new())));
+        }
         let version = match version {
             Some(v) if versions.iter().any(|a| a == v) => v.to_string(),
             Some(v) => {
@@ -362,6 +418,24 @@ impl Deployments {
         if let Some(decision) = self.abandon(model, asker, now_s, None) {
             return Ok(decision);
         }
+        // The last promotion was a config's: back to the config before it.
+        if let Some(deployment) = self.models.get_mut(model)
+            && !deployment.previous_configs.is_empty()
+            && deployment
+                .history
+                .iter()
+                .rev()
+                .find(|h| h.action == Action::Promoted)
+                .is_some_and(|h| h.config.is_some())
+        {
+            let to = deployment.previous_configs.pop().flatten();
+            let from = std::mem::replace(&mut deployment.stable_config, to.clone());
+            let stable = deployment.stable.clone();
+            let mut decision = Decision::new(model, Action::RolledBack, &stable, &stable, asker, now_s);
+            decision.reason = "config rolled back by command".into();
+            decision.config = Some(ConfigChange { to, from });
+            return Ok(record(deployment, decision));
+        }
         let from = self.serving(model, available).unwrap_or_default().to_string();
         let deployment = self.models.entry(model.to_string()).or_default();
         // The last earlier stable that can still serve; without any, the
@@ -402,6 +476,10 @@ impl Deployments {
         let stable = deployment.stable.clone();
         let mut decision =
             Decision::new(model, Action::RolledBack, &stable, &candidate.version, asker, now_s);
+        if candidate.config.is_some() {
+            decision.config =
+                Some(ConfigChange { to: deployment.stable_config.clone(), from: candidate.config.clone() });
+        }
         if let Some((reason, gates)) = why {
             (decision.reason, decision.gates) = (reason, gates);
         } else {
@@ -438,15 +516,33 @@ pub struct ModelReport {
     /// started (only a running node has them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub field_quality: Vec<super::FieldQuality>,
+    /// The config stable serves with, and a config rollout's candidate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigShown>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub candidate_config: Option<ConfigShown>,
+}
+
+/// A config version as `models status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigShown {
+    pub version: String,
+    /// `node config` (its `[models.NAME]`) or `deployment` (a promoted or
+    /// candidate config, kept in the state).
+    pub source: String,
+    /// The settings as served (canonical TOML).
+    pub text: String,
 }
 
 impl Deployments {
     /// Every model available, or only `model`.
+    /// `node` gives a model's serving settings as the node config has them.
     pub fn report(
         &self,
         available: &Available,
         fingerprints: &Fingerprints,
         model: Option<&str>,
+        node: &dyn Fn(&str) -> ServingConfig,
     ) -> Result<Vec<ModelReport>, RolloutError> {
         if let Some(m) = model {
             versions_of(m, available)?;
@@ -490,9 +586,27 @@ impl Deployments {
                     trial: None,
                     unsaved: deployment.and_then(|d| d.unsaved.clone()),
                     field_quality: Vec::new(),
+                    config: Some(shown(deployment, name, node)),
+                    candidate_config: deployment.and_then(|d| {
+                        let version = d.candidate.as_ref()?.config.clone()?;
+                        let text = d.configs.get(&version)?.text.clone();
+                        Some(ConfigShown { version, source: "deployment".into(), text })
+                    }),
                 }
             })
             .collect())
+    }
+}
+
+/// The config `model` serves with: the promoted one, else the node config's.
+fn shown(deployment: Option<&Deployment>, model: &str, node: &dyn Fn(&str) -> ServingConfig) -> ConfigShown {
+    let promoted = deployment.and_then(|d| Some((d.stable_config.clone()?, d)));
+    match promoted.and_then(|(v, d)| Some((v.clone(), d.configs.get(&v)?.text.clone()))) {
+        Some((version, text)) => ConfigShown { version, source: "deployment".into(), text },
+        None => {
+            let config = node(model);
+            ConfigShown { version: config.version(), source: "node config".into(), text: config.text() }
+        }
     }
 }
 
@@ -535,7 +649,47 @@ pub(super) fn record(deployment: &mut Deployment, decision: Decision) -> Decisio
     }
     deployment.history.push(decision.clone());
     keep_last(&mut deployment.history);
+    // The config files kept: those the stable, the rollout and the configs
+    // a rollback may return to name, and the newest others the history
+    // names (a rolled-back candidate's, for the record). The history keeps
+    // every version's name; the files stay few, since the site's retained
+    // copy carries them.
+    let d = &*deployment;
+    let candidate = d.candidate.as_ref().and_then(|c| c.config.clone());
+    let mut named: std::collections::BTreeSet<String> = [d.stable_config.clone(), candidate]
+        .into_iter()
+        .chain(d.previous_configs.clone())
+        .flatten()
+        .collect();
+    let recent = d.history.iter().rev().filter_map(|h| h.config.as_ref()).flat_map(|c| [&c.to, &c.from]);
+    for version in recent.flatten() {
+        if named.len() >= PREVIOUS_CONFIGS + 2 {
+            break;
+        }
+        named.insert(version.clone());
+    }
+    deployment.configs.retain(|version, _| named.contains(version));
     decision
+}
+
+/// Ends `deployment`'s config rollout by making its config stable.
+pub(super) fn promote_config(
+    deployment: &mut Deployment,
+    model: &str,
+    asker: &Asker,
+    now_s: u64,
+    (reason, gates): (String, Vec<Gate>),
+) -> Decision {
+    let candidate = deployment.candidate.take().expect("a config rollout runs");
+    let from = std::mem::replace(&mut deployment.stable_config, candidate.config.clone());
+    deployment.previous_configs.push(from.clone());
+    let excess = deployment.previous_configs.len().saturating_sub(PREVIOUS_CONFIGS);
+    deployment.previous_configs.drain(..excess);
+    let mut decision =
+        Decision::new(model, Action::Promoted, &candidate.version, &candidate.version, asker, now_s);
+    (decision.reason, decision.gates) = (reason, gates);
+    decision.config = Some(ConfigChange { to: candidate.config, from });
+    record(deployment, decision)
 }
 
 fn is_zero(n: &u64) -> bool {

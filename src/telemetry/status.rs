@@ -88,6 +88,9 @@ impl Build {
 #[derive(Debug, Clone, Serialize)]
 pub struct RolloutStatus {
     pub stable: String,
+    /// The promoted config serving with it; absent: the node config's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stable_config: Option<String>,
     /// What `models rollback` would return to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub previous: Option<String>,
@@ -116,6 +119,7 @@ fn rollout(
         .map(|(name, d)| {
             let status = RolloutStatus {
                 stable: d.stable.clone(),
+                stable_config: d.stable_config.clone(),
                 // During a rollout a rollback ends it: back to stable alone.
                 previous: if d.candidate.is_some() {
                     Some(d.stable.clone())

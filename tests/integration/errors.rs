@@ -324,16 +324,16 @@ const PROBE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 #[test]
 fn the_watchdog_probe_never_asks_the_cloud_tier() {
     use edgeinfer::cloud::{Cloud, CloudOptions};
-    use edgeinfer::engine::{CascadePolicy, CloudTier};
+    use edgeinfer::engine::CloudTier;
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     silent.set_nonblocking(true).unwrap();
     let mut config = edgeinfer::config::Config::default();
     config.cloud.enabled = true;
     config.cloud.url = format!("http://{}", silent.local_addr().unwrap());
     let cloud = Arc::new(Cloud::new(CloudOptions::from_config(&config).unwrap().unwrap()).unwrap());
-    let mut options = EngineOptions::default();
     let always = edgeinfer::config::ModelConfig { threshold: 1.0, ..Default::default() };
-    options.cascade.insert("digits".into(), CascadePolicy::new(&always));
+    config.models.insert("digits".into(), always);
+    let options = EngineOptions { node_id: "edgeinfer".into(), ..EngineOptions::from_config(&config) };
     let e = engine(options).with_cloud_tier(CloudTier { cloud, spool: None });
     let rt = rt();
     rt.block_on(e.probe(PROBE_WITHIN)).unwrap();

@@ -19,7 +19,8 @@ pub struct AbReportArgs {
     #[arg(long, default_value_t = 0.95)]
     pub level: f64,
     /// The version the others are compared with; default the stable one
-    /// (the one serving).
+    /// (the one serving, with its config). Where a version answered with
+    /// several configs (a config rollout), its rows are VERSION+CONFIG.
     #[arg(long)]
     pub baseline: Option<String>,
     /// Also write DIR/index.html: one self-contained page (no external
@@ -35,7 +36,14 @@ pub fn run(config: &Config, args: AbReportArgs) -> Result<i32> {
     let Some(m) = reports.iter().find(|r| r.model == args.model) else {
         anyhow::bail!("the {source} has no model {}", args.model);
     };
-    let baseline = args.baseline.clone().unwrap_or_else(|| m.serving.clone());
+    // Stable's answers; with its config named where the version answered
+    // with several (a config rollout).
+    let quality: Vec<_> = m.field_quality.iter().collect();
+    let stable = quality
+        .iter()
+        .find(|q| q.version == m.serving && q.config.as_ref() == m.config.as_ref().map(|c| &c.version));
+    let named = stable.map(|q| edgeinfer::rollout::ab_report::arm(q, &quality));
+    let baseline = args.baseline.clone().or(named).unwrap_or_else(|| m.serving.clone());
     let report = AbReport::new(&args.model, &m.field_quality, &baseline, args.level)?;
     if let Some(dir) = &args.report {
         std::fs::create_dir_all(dir).with_context(|| format!("--report {}: creating it", dir.display()))?;

@@ -101,11 +101,14 @@ fn print_model(m: &ModelReport) {
             short(&r.manifest_sha256)
         );
     }
+    if let Some(config) = &m.config {
+        println!("    config {} ({})", config.version, config.source);
+    }
     if let Some(c) = &m.candidate {
         let held = c.held.as_deref().map_or(String::new(), |why| format!("; held: {why}"));
         println!(
-            "    rollout: v{} {}, {}% of devices, step {} since {} (by {}){held}",
-            c.version,
+            "    rollout: {} {}, {}% of devices, step {} since {} (by {}){held}",
+            c.describe(),
             c.mode.as_str(),
             c.share(),
             c.step + 1,
@@ -135,8 +138,9 @@ fn print_model(m: &ModelReport) {
     for q in &m.field_quality {
         let accuracy = q.accuracy().map_or("-".into(), |a| format!("{a:.4}"));
         let mean = q.mean_outcome().map_or("-".into(), |o| format!("{o:.4}"));
+        let config = q.config.as_deref().map_or(String::new(), |c| format!(" config {c}"));
         println!(
-            "    field v{}: {} answers; accuracy {accuracy} ({} labels), mean outcome {mean} ({} outcomes)",
+            "    field v{}{config}: {} answers; accuracy {accuracy} ({} labels), mean outcome {mean} ({} outcomes)",
             q.version, q.answers, q.figures.labels, q.figures.outcomes
         );
     }
@@ -147,7 +151,15 @@ fn print_model(m: &ModelReport) {
 
 fn describe(d: &Decision) -> String {
     let action = d.action.as_str();
-    format!("{} v{} -> v{}: {action} at {} by {} ({})", d.model, d.from, d.version, d.at_s, d.by, d.reason)
+    let (from, to) = match &d.config {
+        // A config change: the model version stays; the config moves.
+        Some(c) => {
+            let name = |v: &Option<String>| format!("config {}", v.as_deref().unwrap_or("of the node"));
+            (name(&c.from), name(&c.to))
+        }
+        None => (format!("v{}", d.from), format!("v{}", d.version)),
+    };
+    format!("{} {from} -> {to}: {action} at {} by {} ({})", d.model, d.at_s, d.by, d.reason)
 }
 
 pub fn change(config: &Config, change: Change, target: Target) -> Result<i32> {

@@ -70,6 +70,16 @@ impl Key {
         Key(h.finalize().into())
     }
 
+    /// The key under config version `config`: each config caches its own
+    /// answers.
+    pub fn for_config(self, config: &str) -> Key {
+        let mut h = Sha256::new();
+        h.update(b"config");
+        h.update(self.0);
+        h.update(config.as_bytes());
+        Key(h.finalize().into())
+    }
+
     pub fn hex(&self) -> String {
         hex::encode(self.0)
     }

@@ -23,7 +23,6 @@ use crate::protocol::{CacheStatus, InferRequest, InferResponse, TensorData, Tier
 use crate::telemetry::{self, CacheHealth, RedisState};
 use memory::{Entry, Flight, Found, Memory};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,9 +35,6 @@ pub struct CacheOptions {
     pub disk_bytes: u64,
     /// The store's directory.
     pub dir: PathBuf,
-    pub default_ttl: Duration,
-    /// TTL by model name; zero: that model's answers are not cached.
-    pub model_ttl: HashMap<String, Duration>,
     pub sweep_interval: Duration,
     pub disk_read_timeout: Duration,
     pub disk_page_cache_bytes: u64,
@@ -54,8 +50,6 @@ impl CacheOptions {
             memory_bytes: c.memory_bytes,
             disk_bytes: c.disk_bytes,
             dir: config.node.state_dir.join("cache"),
-            default_ttl: Duration::from_secs(c.ttl_s),
-            model_ttl: config.models.keys().map(|m| (m.clone(), config.cache_ttl(m))).collect(),
             sweep_interval: Duration::from_secs(c.sweep_interval_s.max(1)),
             disk_read_timeout: Duration::from_millis(c.disk_read_timeout_ms),
             disk_page_cache_bytes: c.disk_page_cache_bytes,
@@ -78,8 +72,6 @@ impl CacheOptions {
             memory_bytes: 0,
             disk_bytes: 0,
             dir: PathBuf::new(),
-            default_ttl: Duration::ZERO,
-            model_ttl: HashMap::new(),
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,
@@ -189,27 +181,23 @@ impl Cache {
         self.disk_error.as_ref()
     }
 
-    /// How long `model`'s answers are kept; `None`: not cached.
-    pub fn ttl(&self, model: &str) -> Option<Duration> {
-        let ttl = self.options.model_ttl.get(model).copied().unwrap_or(self.options.default_ttl);
-        (self.options.enabled && !ttl.is_zero()).then_some(ttl)
-    }
-
     /// Stage 4a: the answer to `req` if it is known. Waits while an
     /// identical request computes it. `tier`: where the node has a cloud
-    /// tier, each tier caches its own answers.
+    /// tier, each tier caches its own answers; `ttl`: how long this model's
+    /// answers are kept (zero: not cached); `config`: the config version
+    /// serving it, whose answers are its own (a threshold, a scale or a
+    /// `top_k` changes them).
     pub async fn check(
         &self,
         model: &LoadedModel,
         req: &InferRequest,
         input: &TensorData,
-        tier: Option<Tier>,
+        (tier, ttl, config): (Option<Tier>, Duration, &str),
     ) -> Lookup<'_> {
-        if req.parameters.cache == Some(false) {
+        if req.parameters.cache == Some(false) || !self.options.enabled || ttl.is_zero() {
             return Lookup::Bypass;
         }
-        let Some(ttl) = self.ttl(model.name()) else { return Lookup::Bypass };
-        let key = Key::new(model, req, input);
+        let key = Key::new(model, req, input).for_config(config);
         let key = match tier {
             Some(tier) => key.for_tier(tier),
             None => key,
@@ -397,8 +385,6 @@ mod tests {
             memory_bytes: 1 << 20,
             disk_bytes: 0,
             dir: PathBuf::new(),
-            default_ttl: Duration::from_secs(60),
-            model_ttl: HashMap::new(),
             sweep_interval: Duration::from_secs(60),
             disk_read_timeout: Duration::ZERO,
             disk_page_cache_bytes: 0,

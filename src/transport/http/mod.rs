@@ -137,20 +137,38 @@ async fn models_rollback(State(state): State<AppState>, Query(q): Query<ModelQue
     }
 }
 
-async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuery>) -> Response {
+/// `POST /models/rollout?model=M&version=V`, or with a config candidate
+/// (TOML, at most `MAX_CHANGE_BYTES`) as the body and no version: a config
+/// rollout on stable's version.
+async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuery>, body: Body) -> Response {
     let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    let limit = crate::config::serving::MAX_CHANGE_BYTES;
+    let read = tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, limit + 1)).await;
+    let config = match read {
+        Ok(Ok(bytes)) if bytes.is_empty() => None,
+        Ok(Ok(bytes)) if bytes.len() <= limit => match String::from_utf8(bytes.to_vec()) {
+            Ok(text) => Some(text),
+            Err(_) => return rollout_error(&RolloutError::BadConfig("the body is not UTF-8 text".into())),
+        },
+        _ => {
+            let why = format!("the body (a config candidate) is unreadable or over {limit} bytes");
+            return rollout_error(&RolloutError::BadConfig(why));
+        }
+    };
     let model = q.model.unwrap_or_default();
     let overrides = (q.steps.as_deref(), q.gates.as_deref());
-    let plan = state.engine.rollout_plan(q.version.as_deref(), q.mode.as_deref(), &model, overrides);
+    let by = "models rollout (http)";
+    let asked = (model.as_str(), q.version.as_deref(), config.as_deref());
+    let plan = state.engine.rollout_plan(asked, q.mode.as_deref(), overrides, by);
     if let Ok(plan) = &plan
+        && plan.config.is_none()
         && let Err(e) = state.engine.load_new_version(&model, &plan.version).await
     {
         return rollout_error(&e);
     }
     let available = state.engine.registry().available();
-    let by = Asker::named("models rollout (http)");
     match plan {
-        Ok(plan) => match rollout.start_rollout(&model, plan, available, by).await {
+        Ok(plan) => match rollout.start_rollout(&model, plan, available, Asker::named(by)).await {
             Ok(decision) => axum::Json(decision).into_response(),
             Err(e) => rollout_error(&e),
         },
@@ -225,8 +243,13 @@ async fn metadata(State(state): State<AppState>, Path(model): Path<String>) -> R
         name: m.name().to_string(),
         versions: registry.versions(m.name()),
         deployment: state.engine.rollout().and_then(|rollout| {
-            let report =
-                rollout.current().report(&registry.available(), &registry.fingerprints(), Some(m.name()));
+            let node = |model: &str| state.engine.node_serving(model);
+            let report = rollout.current().report(
+                &registry.available(),
+                &registry.fingerprints(),
+                Some(m.name()),
+                &node,
+            );
             let model = report.ok()?.into_iter().next()?;
             Some(Deployment { serving: model.serving, records: model.records })
         }),

@@ -147,12 +147,26 @@ impl ControlTask {
             "rollout" => {
                 let model = model()?;
                 let overrides = (command.steps.as_deref(), command.gates.as_deref());
-                match self.engine.rollout_plan(
-                    command.version.as_deref(),
-                    command.mode.as_deref(),
-                    &model,
-                    overrides,
-                ) {
+                let config = match command.config_hex.as_deref().filter(|c| !c.is_empty()).map(hex::decode) {
+                    None => None,
+                    Some(Ok(bytes)) => match String::from_utf8(bytes) {
+                        Ok(text) => Some(text),
+                        Err(_) => {
+                            return Err(("invalid_payload", "config_hex: the file is not UTF-8 text".into()));
+                        }
+                    },
+                    Some(Err(e)) => {
+                        return Err((
+                            "invalid_payload",
+                            format!("config_hex: {e}; send the file hex-encoded"),
+                        ));
+                    }
+                };
+                let asked = (model.as_str(), command.version.as_deref(), config.as_deref());
+                match self.engine.rollout_plan(asked, command.mode.as_deref(), overrides, "control topic") {
+                    Ok(plan) if plan.config.is_some() => {
+                        rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d))
+                    }
                     Ok(plan) => match self.engine.load_new_version(&model, &plan.version).await {
                         // A version dropped in since the last load is there now.
                         Ok(()) => {

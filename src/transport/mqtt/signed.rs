@@ -89,6 +89,10 @@ pub struct ControlCommand {
     pub gates: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
+    /// `rollout` of a config candidate: the file, hex-encoded (a signed
+    /// field cannot carry its line breaks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_hex: Option<String>,
     /// Seconds since the Unix epoch when it was signed; 0 when absent.
     #[serde(default)]
     pub issued_at_s: u64,
@@ -135,7 +139,9 @@ impl ControlCommand {
             ("reply_to", or_empty(&self.reply_to)),
         ];
         let mut text = format!("{SCHEME}\n");
-        for (field, value) in fields {
+        // Signed only when present, so a command from before it signs as it did.
+        let config = self.config_hex.clone().filter(|c| !c.is_empty()).map(|c| ("config_hex", c));
+        for (field, value) in fields.into_iter().chain(config) {
             if value.contains(['\n', '\r']) {
                 return Err(Unsignable { field });
             }
@@ -284,6 +290,23 @@ mod tests {
         assert!(unauthorized(unsigned.verify(&key(), README_TOPIC, now, 300)));
         let junk = ControlCommand { signature: "zz".into(), ..signed };
         assert!(unauthorized(junk.verify(&key(), README_TOPIC, now, 300)));
+    }
+
+    #[test]
+    fn a_config_candidate_is_signed_only_when_present_and_cannot_be_swapped() {
+        let now = 1_800_000_000;
+        // A command without one signs as it did before the field existed.
+        let plain = rollback().canonical(README_TOPIC).unwrap();
+        assert!(!plain.contains("config_hex"), "{plain}");
+        let config = Some(hex::encode("threshold = 1.0\n"));
+        let rollout = ControlCommand { command: "rollout".into(), config_hex: config, ..rollback() };
+        let signed = rollout.signed(&key(), README_TOPIC, now).unwrap();
+        assert_eq!(signed.verify(&key(), README_TOPIC, now, 300), Ok(()));
+        let unauthorized = |r: Result<(), Refusal>| matches!(r, Err(Refusal::Unauthorized(_)));
+        let swapped = ControlCommand { config_hex: Some(hex::encode("threshold = 0.0\n")), ..signed.clone() };
+        assert!(unauthorized(swapped.verify(&key(), README_TOPIC, now, 300)));
+        let stripped = ControlCommand { config_hex: None, ..signed };
+        assert!(unauthorized(stripped.verify(&key(), README_TOPIC, now, 300)));
     }
 
     #[test]

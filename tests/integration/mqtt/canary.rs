@@ -25,17 +25,28 @@ struct Site {
     id: &'static str,
     models: tempfile::TempDir,
     state: tempfile::TempDir,
+    /// The node's environment beyond its directories.
+    env: Vec<(String, String)>,
 }
 
 impl Site {
     fn start(id: &'static str, prepare: impl FnOnce(&std::path::Path)) -> Option<Site> {
+        Self::start_with(id, prepare, &[])
+    }
+
+    fn start_with(
+        id: &'static str,
+        prepare: impl FnOnce(&std::path::Path),
+        env: &[(&str, &str)],
+    ) -> Option<Site> {
         let mosquitto = Mosquitto::start()?;
         let (models, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         copy_digits_version(models.path(), "1", false);
         prepare(models.path());
         models_command(models.path(), state.path(), &["promote", "digits", "1"]).unwrap();
-        let (node, http) = Self::node(&mosquitto, id, &models, &state);
-        Some(Site { node, mosquitto, http, id, models, state })
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let (node, http) = Self::node(&mosquitto, id, &models, &state, &env);
+        Some(Site { node, mosquitto, http, id, models, state, env })
     }
 
     fn node(
@@ -43,20 +54,22 @@ impl Site {
         id: &str,
         models: &tempfile::TempDir,
         state: &tempfile::TempDir,
+        extra: &[(String, String)],
     ) -> (Node, u16) {
         let (m, s) = (models.path().display().to_string(), state.path().display().to_string());
-        let env = [
+        let mut env = vec![
             ("EDGEINFER_NODE__MODELS_DIR", m.as_str()),
             ("EDGEINFER_NODE__STATE_DIR", s.as_str()),
             admin_token_env(),
         ];
+        env.extend(extra.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         node_with_http(&mosquitto.url(), id, &env)
     }
 
     /// kill -9, and a new process on the same directories.
     fn restart(&mut self) {
         self.node.kill9();
-        (self.node, self.http) = Self::node(&self.mosquitto, self.id, &self.models, &self.state);
+        (self.node, self.http) = Self::node(&self.mosquitto, self.id, &self.models, &self.state, &self.env);
     }
 
     /// `edgeinfer models ARGS --url` this node, in the background.
@@ -659,4 +672,107 @@ async fn ab_report_intervals_contain_the_true_simulated_difference() {
     let dom = String::from_utf8_lossy(&dom.stdout);
     assert_eq!(dom.matches("<svg").count(), 2, "{dom}");
     assert!(dom.contains("<circle") && dom.contains("difference from v1"), "the charts' points and titles");
+}
+
+/// The config in service for `digits` as `models status` shows it: its
+/// version and its text.
+async fn config_in_service(site: &Site) -> (String, String) {
+    let status = site.json("/models/status?model=digits").await;
+    let config = &status[0]["config"];
+    (config["version"].as_str().unwrap().to_string(), config["text"].as_str().unwrap().to_string())
+}
+
+/// A config change rolled out like a model version, through mosquitto with
+/// a cloud tier: a threshold that escalates every answer fails the
+/// escalation gate and is rolled back, and the config in service after is
+/// byte-identical to stable's. A harmless change promoted by command then
+/// serves, and `models rollback` returns the node's config byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_candidate_that_escalates_everything_is_rolled_back_to_stables_exact_config() {
+    let (_cloud, cloud_port) = super::cascade::cloud_node(None);
+    let url = format!("http://127.0.0.1:{cloud_port}");
+    let env = [
+        ("EDGEINFER_CLOUD__ENABLED", "true"),
+        ("EDGEINFER_CLOUD__URL", url.as_str()),
+        ("EDGEINFER_MODELS__DIGITS__CLOUD_MODEL", "digits-large"),
+        ("EDGEINFER_MODELS__DIGITS__THRESHOLD", "0.3"),
+    ];
+    // v2 beside v1 only so that v1 can be pinned stable.
+    let Some(site) = Site::start_with("gw-config", |m| copy_digits_version(m, "2", false), &env) else {
+        return;
+    };
+    let files = tempfile::tempdir().unwrap();
+    let escalate = files.path().join("escalate.toml");
+    std::fs::write(&escalate, "# every answer to the cloud tier\nthreshold = 1.0\n").unwrap();
+    let (stable_version, stable_text) = config_in_service(&site).await;
+    assert!(stable_text.contains("threshold = 0.3"), "{stable_text}");
+    let mut fleet = Fleet::connect(&site, "cf").await;
+    let gates = "bake_s=1,min_requests=20,p99_slack_ms=200";
+    let path = escalate.display().to_string();
+    let started =
+        site.command(&["rollout", "digits", "--config", &path, "--steps", "50,100", "--gates", gates]);
+    let started = started.await.unwrap().unwrap();
+    let candidate = started["config"]["to"].as_str().unwrap().to_string();
+    assert_ne!(candidate, stable_version, "{started}");
+    assert_eq!(started["version"], "1", "on stable's version: {started}");
+    let rolled_back = |f: &Fleet| f.decided("rolled_back").is_some();
+    assert!(fleet.load_until(Duration::from_secs(60), rolled_back).await, "{:#?}", fleet.decisions);
+    let (rolled_back_at, decision) = fleet.decided("rolled_back").cloned().unwrap();
+    assert!(decision["reason"].as_str().unwrap().starts_with("gate escalation failed"), "{decision}");
+    assert_eq!(decision["config"]["from"], candidate.as_str(), "{decision}");
+    let escalation =
+        decision["gates"].as_array().unwrap().iter().find(|g| g["gate"] == "escalation").unwrap();
+    assert!(escalation["candidate"].as_f64().unwrap() > 0.9, "{decision}");
+    fleet.settle().await;
+    // Every reply names the config it was served with: the candidate's
+    // answers went to the cloud tier, stable's mostly did not.
+    let config_of =
+        |id: usize| fleet.replies[&id][0]["parameters"]["config_version"].as_str().unwrap().to_string();
+    let (mut on_candidate, mut escalated) = (0, 0);
+    for id in 0..fleet.sent_at.len() {
+        let (config, reply) = (config_of(id), &fleet.replies[&id][0]);
+        assert!(config == stable_version || config == candidate, "request {id}: {reply}");
+        assert_eq!(reply["model_version"], "1", "{reply}");
+        let after_rollback = fleet.sent_at[id] > rolled_back_at + Duration::from_millis(100);
+        assert!(!(after_rollback && config == candidate), "request {id}, sent after the rollback: {reply}");
+        if config == candidate {
+            on_candidate += 1;
+            escalated += usize::from(reply["parameters"]["served_by"] == "cloud");
+        }
+    }
+    assert!(on_candidate >= 20 && escalated * 10 >= on_candidate * 9, "{escalated} of {on_candidate}");
+    let after = config_in_service(&site).await;
+    assert_eq!(after, (stable_version.clone(), stable_text.clone()), "byte for byte stable's");
+    let state: Value =
+        serde_json::from_slice(&std::fs::read(site.state.path().join("deployments.json")).unwrap()).unwrap();
+    let kept = &state["models"]["digits"]["configs"][&candidate];
+    assert_eq!(kept["file"], "# every answer to the cloud tier\nthreshold = 1.0\n", "the file, as given");
+    assert!(state["models"]["digits"].get("stable_config").is_none(), "{state:#}");
+
+    // A harmless change (a top-3 list on every reply), promoted by command.
+    let top3 = files.path().join("top3.toml");
+    std::fs::write(&top3, "top_k = 3\n").unwrap();
+    let path = top3.display().to_string();
+    let started =
+        site.command(&["rollout", "digits", "--config", &path, "--mode", "ab"]).await.unwrap().unwrap();
+    let promoted = site.command(&["promote", "digits"]).await.unwrap().unwrap();
+    assert_eq!(promoted["config"]["to"], started["config"]["to"], "{promoted}");
+    let (version, text) = config_in_service(&site).await;
+    assert_eq!(Some(version.as_str()), started["config"]["to"].as_str());
+    assert!(text.contains("top_k = 3") && text.contains("threshold = 0.3"), "{text}");
+    let from = fleet.sent_at.len();
+    fleet.load_until(Duration::from_millis(500), |_| false).await;
+    fleet.settle().await;
+    let reply = &fleet.replies[&from][0];
+    assert_eq!(
+        (
+            reply["parameters"]["config_version"].as_str(),
+            reply["parameters"]["top_k"].as_array().map(Vec::len)
+        ),
+        (Some(version.as_str()), Some(3)),
+        "{reply}"
+    );
+    let back = site.command(&["rollback", "digits"]).await.unwrap().unwrap();
+    assert_eq!(back["config"]["to"], Value::Null, "back to the node config's: {back}");
+    assert_eq!(config_in_service(&site).await, (stable_version, stable_text), "byte for byte the node's");
 }

@@ -29,7 +29,7 @@ fn degraded(reply: &Value) -> bool {
 }
 
 /// A node that plays the cloud: `digits-large` (and the rest) over HTTP.
-fn cloud_node(http_port: Option<u16>) -> (Node, u16) {
+pub(super) fn cloud_node(http_port: Option<u16>) -> (Node, u16) {
     let port = http_port.unwrap_or_else(free_port_pair);
     let listen = format!("127.0.0.1:{port}");
     let (node, _, _) = embedded_node_with_http("cloud", &[("EDGEINFER_HTTP__LISTEN", &listen)]);

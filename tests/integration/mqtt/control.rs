@@ -312,6 +312,25 @@ async fn finding_2_models_via_mqtt_signs_commands_on_the_real_binary() {
     assert_eq!(report[0]["candidate"]["version"], "2", "{report}");
     assert_eq!(report[0]["history"].as_array().map(Vec::len), Some(2), "{report}");
 
+    // A config candidate over the control topic (the file hex-encoded in
+    // the signed command), once the shadow rollout is rolled back.
+    let out = run(&["models", "rollback", "digits", "--via-mqtt", "--node", "gw-cli"], env.clone()).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let file = models.path().join("top2.toml");
+    std::fs::write(&file, "top_k = 2\n").unwrap();
+    let path: &'static str = Box::leak(file.display().to_string().into_boxed_str());
+    let args = ["models", "rollout", "digits", "--config", path, "--via-mqtt", "--node", "gw-cli", "--json"];
+    let out = run(Box::leak(Box::new(args)), env.clone()).await;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let started: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let config = started["config"]["to"].as_str().unwrap_or_else(|| panic!("{started}")).to_string();
+    let out =
+        run(&["models", "status", "digits", "--via-mqtt", "--node", "gw-cli", "--json"], env.clone()).await;
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report[0]["candidate"]["config"], config.as_str(), "{report}");
+    assert_eq!(report[0]["candidate"]["version"], "1", "on stable's version: {report}");
+    assert!(report[0]["candidate_config"]["text"].as_str().unwrap().contains("top_k = 2"), "{report}");
+
     // Another key: refused by the node, and said so.
     let wrong = models.path().join("wrong.key");
     std::fs::write(&wrong, "1111111111111111111111111111111111111111111111111111111111111111\n").unwrap();
