@@ -148,7 +148,8 @@ pub enum ModelsCommand {
     /// Load every model version as `serve` would: check its sha256, run its
     /// golden vectors through every batch plan, report whether the optimized
     /// plan runs integer or float kernels, and time it. Each integer layer's
-    /// kernels (ours, tract-linalg's) are timed again and the faster kept,
+    /// kernels (each of ours the host runs: byte tiles, the i16 tile,
+    /// depthwise kernels; tract-linalg's) are timed again and the fastest kept,
     /// refreshing the choices `serve` reuses from node.state_dir/kernels;
     /// each layer's choice and the runner-up's time are printed. Exits 1 when
     /// any version is refused.
@@ -263,7 +264,7 @@ fn choice_note(c: &edgeinfer::model::LayerChoice) -> String {
             if c.cached { ", measured at an earlier start" } else { "" }
         ),
         _ => format!(
-            "{} ({}), not measured: EDGEINFER_INT8_GEMM or a host without AVX2",
+            "{} ({}), not measured: EDGEINFER_INT8_GEMM, or a host with neither AVX2 nor a byte dot product",
             c.kernel.as_str(),
             c.name
         ),

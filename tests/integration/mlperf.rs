@@ -105,6 +105,77 @@ fn the_integer_rewrite_covers_every_conv_depthwise_included() {
     }
 }
 
+/// Kernel choice on a conv net (issue 38, item 1): each pointwise layer
+/// times every form of ours the host runs (each byte tile, the i16 tile)
+/// against tract-linalg's, each depthwise layer each of its channels-last
+/// kernels (and the planar one where it fits); and in `models verify` on
+/// the real binary, the forms slowed by a fail point lose every layer to
+/// the one left (a byte tile, then with the byte tile slowed the i16 tile).
+#[test]
+fn every_form_of_ours_is_timed_per_layer_and_a_slowed_one_loses() {
+    use edgeinfer::model::Kernel;
+    let Some(dir) = tiny::dir_or_skip() else { return };
+    let kws = tiny::load(&dir, "kws", "int8", vec![1]);
+    let choices = &kws.model.kernel_choices;
+    let tiles = edgeinfer::model::quant::udot::TileKernel::available();
+    // The convolutions (the dense layer has no byte tile to time).
+    let on_bytes =
+        |c: &&edgeinfer::model::LayerChoice| c.times.iter().any(|t| matches!(t.0, Kernel::Bytes(_)));
+    let conv: Vec<_> = choices.iter().filter(on_bytes).collect();
+    assert_eq!(conv.len(), if tiles.is_empty() { 0 } else { 5 }, "{choices:?}");
+    for c in &conv {
+        assert!(c.times.iter().any(|t| matches!(t.0, Kernel::I16(_))), "{c:?}");
+        let timed: Vec<Kernel> = c.times.iter().map(|t| t.0).collect();
+        assert!(timed.contains(&Kernel::Tract), "{c:?}");
+        for tile in &tiles {
+            assert!(timed.contains(&Kernel::Bytes(*tile)), "{tile:?} not timed: {c:?}");
+        }
+    }
+    let depthwise = choices.iter().filter(|c| matches!(c.kernel, Kernel::Depthwise(_)));
+    assert_eq!(depthwise.count(), 4, "{choices:?}");
+
+    let state = tempfile::tempdir().unwrap();
+    let verify = |slow: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_edgeinfer"))
+            .args(["models", "verify", "--iterations", "2"])
+            .env_remove("EDGEINFER_CONFIG")
+            .env("EDGEINFER_NODE__MODELS_DIR", kws.models_dir.path())
+            .env("EDGEINFER_NODE__STATE_DIR", state.path())
+            .env("FAILPOINTS", format!("int8_kernel_slow=return({slow})"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+        text
+    };
+    // "layer NAME: KERNEL (its name) ..., runner-up ..."
+    let chosen = |text: &str| -> Vec<(String, String)> {
+        let layers = text.lines().filter_map(|l| l.trim_start().strip_prefix("layer "));
+        let split = |l: &str| {
+            Some((l.split(": ").next()?.to_string(), l.split(": ").nth(1)?.split(' ').next()?.to_string()))
+        };
+        layers.filter_map(split).collect()
+    };
+    let plain = chosen(&verify("nothing"));
+    assert_eq!(plain.len(), choices.len(), "{plain:?}");
+    // Each of two forms (the host's first byte tile and its first i16
+    // tile) wins every convolution when all the others are slowed, so each
+    // loses when slowed itself.
+    let Some(first) = conv.first() else { return };
+    let forms: Vec<&str> = first.times.iter().map(|t| t.0.as_str()).collect();
+    let i16_form = *forms.iter().find(|f| f.starts_with("i16_")).unwrap();
+    let conv_layers: Vec<&str> = conv.iter().map(|c| c.layer.as_str()).collect();
+    for target in [forms[0], i16_form] {
+        let others: Vec<&str> = forms.iter().copied().filter(|f| *f != target).collect();
+        let after = chosen(&verify(&others.join(",")));
+        assert_eq!(after.len(), plain.len(), "{after:?}");
+        for (layer, kernel) in after.iter().filter(|(l, _)| conv_layers.contains(&l.as_str())) {
+            assert_eq!(kernel, target, "{layer} with {others:?} slowed: {after:?}");
+        }
+        eprintln!("{others:?} slowed: every convolution on {target}");
+    }
+}
+
 /// The float twins' depthwise layers run on `FDepthwise` (tract's own f32
 /// depthwise op was 59% of kws_f32), and the agreement test above holds
 /// them within 1e-3 of onnxruntime.

@@ -6,6 +6,7 @@
 //! `node.state_dir/kernels/`, one file per model file (its sha256), valid
 //! for one CPU signature, so a restart does not measure again.
 
+use super::udot;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,25 +14,63 @@ use std::time::{Duration, Instant};
 use tract_onnx::prelude::TractResult;
 
 /// How a layer runs: for a convolution or dense layer, whose product
-/// kernels; for a depthwise one, which layout.
+/// kernels (each of ours by name, and tract-linalg's); for a depthwise one,
+/// which layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(into = "String", try_from = "String")]
 pub enum Kernel {
-    /// Ours (`udot.rs`, `igemm.rs`; a depthwise layer channels-last).
+    /// Our default form: for a convolution the host's first byte tile with
+    /// a dot product, else the i16 tile; a depthwise layer channels-last.
+    /// What `EDGEINFER_INT8_GEMM=ours` fixes.
     Ours,
+    /// Our byte tile of one instruction set (`udot.rs`): convolutions whose
+    /// weights' zero points are all 0.
+    Bytes(udot::TileKernel),
+    /// Our i16 tile of one instruction set (`igemm.rs`).
+    I16(super::igemm::TileKernel),
+    /// A depthwise layer on one of our kernels (`depthwise.rs`):
+    /// channels-last on each instruction set, or planar (NCHW, one channel
+    /// at a time, 16 output pixels a step) where a layer has few channels.
+    Depthwise(super::depthwise::Kernel),
     /// tract-linalg's, as its dispatch picks for the host.
     Tract,
-    /// A depthwise layer one channel at a time, 16 output pixels a step
-    /// (`depthwise.rs`): where a layer has few channels.
-    Planar,
 }
 
 impl Kernel {
     pub fn as_str(self) -> &'static str {
         match self {
             Kernel::Ours => "ours",
+            Kernel::Bytes(tile) => tile.id(),
+            Kernel::I16(tile) => tile.id(),
+            Kernel::Depthwise(form) => form.id(),
             Kernel::Tract => "tract",
-            Kernel::Planar => "planar",
+        }
+    }
+
+    /// Whether it is one of ours (every form but tract-linalg's).
+    pub fn is_ours(self) -> bool {
+        self != Kernel::Tract
+    }
+}
+
+impl From<Kernel> for String {
+    fn from(kernel: Kernel) -> String {
+        kernel.as_str().to_string()
+    }
+}
+
+impl TryFrom<String> for Kernel {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<Kernel, String> {
+        match name.as_str() {
+            "ours" => Ok(Kernel::Ours),
+            "tract" => Ok(Kernel::Tract),
+            other => udot::TileKernel::from_id(other)
+                .map(Kernel::Bytes)
+                .or_else(|| super::igemm::TileKernel::from_id(other).map(Kernel::I16))
+                .or_else(|| super::depthwise::Kernel::from_id(other).map(Kernel::Depthwise))
+                .ok_or_else(|| format!("kernel {other:?} is not one this build has")),
         }
     }
 }
@@ -125,6 +164,26 @@ impl Chooser {
         run: impl Fn(&Op) -> TractResult<()>,
     ) -> TractResult<Op> {
         anyhow::ensure!(!candidates.is_empty(), "{layer}: no kernel to choose from");
+        // `EDGEINFER_INT8_GEMM=ours`: our forms alone, timed against each
+        // other (an x86-64 host then runs as an AVX2-only one would with
+        // `EDGEINFER_AVX512=off EDGEINFER_VNNI=off`, tract-linalg keeping
+        // its own dispatch); not kept, since tract's were left out.
+        let ours: Vec<Kernel> = candidates.iter().copied().filter(|k| k.is_ours()).collect();
+        if self.fixed == Some(Kernel::Ours) && ours.len() > 1 {
+            let ops = ours.iter().map(|&k| Ok((build(k)?, k))).collect::<TractResult<Vec<_>>>()?;
+            let times = time_all(&ops, &run)?;
+            let best = (0..ops.len()).min_by(|&a, &b| times[a].total_cmp(&times[b])).unwrap_or(0);
+            let times: Vec<(Kernel, f64)> = ours.iter().copied().zip(times).collect();
+            let (op, kernel) = ops.into_iter().nth(best).expect("best indexes ops");
+            self.made.push(LayerChoice {
+                layer: layer.into(),
+                kernel,
+                name: name(&op),
+                times,
+                cached: false,
+            });
+            return Ok(op);
+        }
         if let Some(fixed) = self.fixed {
             let kernel = if candidates.contains(&fixed) { fixed } else { candidates[0] };
             let op = build(kernel)?;
@@ -151,6 +210,17 @@ impl Chooser {
         let (op, kernel) = ops.into_iter().nth(best).expect("best indexes ops");
         self.made.push(LayerChoice { layer: layer.into(), kernel, name: name(&op), times, cached: false });
         Ok(op)
+    }
+
+    /// The fastest byte tile `layer` was measured on (now or at an earlier
+    /// start); `None` when none was.
+    pub fn fastest_byte_tile(&self, layer: &str) -> Option<udot::TileKernel> {
+        let choice = self.made.iter().rev().find(|c| c.layer == layer)?;
+        let tiles = choice.times.iter().filter_map(|&(kernel, us)| match kernel {
+            Kernel::Bytes(tile) => Some((tile, us)),
+            _ => None,
+        });
+        tiles.min_by(|a, b| a.1.total_cmp(&b.1)).map(|t| t.0)
     }
 
     /// Writes the choices when this load measured any (atomically: a
@@ -212,21 +282,30 @@ fn time_all<Op>(candidates: &[(Op, Kernel)], run: &impl Fn(&Op) -> TractResult<(
 }
 
 /// Fault injection (`--features failpoints`):
-/// `int8_kernel_slow=return(ours)` (or `tract`) adds 1 ms to each timed
-/// run of that kernel, so tests can check that the slower one loses.
+/// `int8_kernel_slow=return(NAMES)` adds 10 ms (more than a debug build's
+/// noise on a layer) to each timed run of each
+/// kernel NAMES lists, comma-separated (`tract`, an i16 tile's id such as
+/// `i16_avx2`, a byte tile's such as `avx512_vnni`, or `ours` for every
+/// one of ours), so tests can
+/// check that the slower ones lose.
 #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
 fn failpoint_delay(kernel: Kernel) -> Duration {
     fail::fail_point!("int8_kernel_slow", |arg: Option<String>| {
-        if arg.as_deref() == Some(kernel.as_str()) { Duration::from_millis(1) } else { Duration::ZERO }
+        let names = arg.unwrap_or_default();
+        let mut names = names.split(',');
+        let slowed =
+            names.any(|name| if name == "ours" { kernel.is_ours() } else { name == kernel.as_str() });
+        if slowed { Duration::from_millis(10) } else { Duration::ZERO }
     });
     Duration::ZERO
 }
 
 /// The kernel every layer runs on without measuring: tract-linalg's on a
-/// host without AVX2 (ours would run its portable tile), or the one
-/// `EDGEINFER_INT8_GEMM` names (`ours` or `tract`, to compare).
+/// host with neither AVX2 nor a byte dot product (ours would run portable
+/// code), or the one `EDGEINFER_INT8_GEMM` names (`tract`; or `ours`, our
+/// forms timed against each other alone), to compare.
 fn fixed() -> Option<Kernel> {
-    if !super::cpu::avx2() {
+    if !super::cpu::avx2() && udot::TileKernel::best().is_none() {
         return Some(Kernel::Tract);
     }
     match std::env::var("EDGEINFER_INT8_GEMM").as_deref() {
@@ -363,24 +442,56 @@ mod tests {
 
     #[test]
     fn the_fastest_of_three_wins_and_a_fixed_kernel_that_is_no_candidate_leaves_the_default() {
+        // Three forms a layer might have, as the chooser sees them.
+        let planar = Kernel::Bytes(udot::TileKernel::Portable);
         let took = |k: Kernel| match k {
             Kernel::Ours => 900,
             Kernel::Tract => 2000,
-            Kernel::Planar => 100,
+            _ => 100,
         };
         let run = |&k: &Kernel| {
             std::thread::sleep(Duration::from_micros(took(k)));
             Ok(())
         };
-        let all = [Kernel::Ours, Kernel::Planar, Kernel::Tract];
+        let all = [Kernel::Ours, planar, Kernel::Tract];
         let mut chooser = Chooser::with_signature(None, "ef", "cpu".into(), None);
-        assert_eq!(chooser.pick("dw", &all, Ok, |k| k.as_str().into(), run).unwrap(), Kernel::Planar);
+        assert_eq!(chooser.pick("dw", &all, Ok, |k| k.as_str().into(), run).unwrap(), planar);
         assert_eq!(chooser.made[0].runner_up().map(|r| r.0), Some(Kernel::Ours));
         assert_eq!(chooser.made[0].times.len(), 3);
         let mut fixed = Chooser::with_signature(None, "ef", "cpu".into(), Some(Kernel::Tract));
-        let depthwise = [Kernel::Ours, Kernel::Planar];
+        let depthwise = [Kernel::Ours, planar];
         assert_eq!(fixed.pick("dw", &depthwise, Ok, |k| k.as_str().into(), run).unwrap(), Kernel::Ours);
         assert_eq!(fixed.measured, 0);
+        // `EDGEINFER_INT8_GEMM=ours`: our forms timed against each other
+        // alone, and not kept.
+        let dir = tempfile::tempdir().unwrap();
+        let cache = KernelCache { dir: dir.path().to_owned(), reuse: true };
+        let mut ours = Chooser::with_signature(Some(&cache), "ef", "cpu".into(), Some(Kernel::Ours));
+        assert_eq!(ours.pick("dw", &all, Ok, |k| k.as_str().into(), run).unwrap(), planar);
+        assert_eq!(ours.made[0].times.iter().map(|t| t.0).collect::<Vec<_>>(), [Kernel::Ours, planar]);
+        ours.save().unwrap();
+        assert!(!dir.path().join("ef.json").exists(), "choices made without tract's are not kept");
+    }
+
+    #[test]
+    fn each_of_our_forms_has_a_name_that_reads_back_and_an_unknown_one_is_refused() {
+        let mut kernels = vec![Kernel::Ours, Kernel::Tract];
+        kernels.extend(super::super::igemm::TileKernel::available().into_iter().map(Kernel::I16));
+        kernels.extend(udot::TileKernel::available().into_iter().map(Kernel::Bytes));
+        kernels.push(Kernel::try_from("dw_portable".to_string()).unwrap());
+        for kernel in kernels {
+            let json = serde_json::to_string(&kernel).unwrap();
+            assert_eq!(serde_json::from_str::<Kernel>(&json).unwrap(), kernel, "{json}");
+        }
+        let unknown = serde_json::from_str::<Kernel>("\"avx1024\"").unwrap_err().to_string();
+        assert!(unknown.contains("avx1024"), "{unknown}");
+        // A file from before the forms were named: its conv layers said
+        // `ours`, no candidate now, so they are measured again.
+        let old: LayerChoice = serde_json::from_str(
+            r#"{"layer": "conv1", "kernel": "ours", "name": "x", "times": [["ours", 3.0], ["tract", 4.0]]}"#,
+        )
+        .unwrap();
+        assert_eq!(old.runner_up(), Some((Kernel::Tract, 4.0)));
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub(super) enum Backend {
     /// The byte dot-product tile, where the host has one and the weights'
     /// zero points are all 0 (`udot.rs`).
     Bytes(Arc<udot::Weights>, Arc<PatchLayout>, udot::TileKernel),
-    Ours(Arc<igemm::Left>, Arc<PatchLayout>),
+    Ours(Arc<igemm::Left>, Arc<PatchLayout>, igemm::TileKernel),
     Tract(Arc<Weights>),
 }
 
@@ -49,6 +49,10 @@ pub struct QConv {
     /// the channels-in-lanes tile with these weights.
     output_layout: Layout,
     pixel_weights: Option<Arc<udot::Weights>>,
+    /// The byte tile a channels-last hand-off moves it to when it runs on
+    /// the i16 tile: the fastest byte tile measured on this layer (none
+    /// measured: the host's first).
+    pub(super) hand_off_tile: Option<udot::TileKernel>,
 }
 
 impl PartialEq for QConv {
@@ -58,9 +62,41 @@ impl PartialEq for QConv {
 }
 
 impl QConv {
-    /// On the given kernels (`choice::Chooser` picks them per layer).
+    /// On the given kernels (`choice::Chooser` picks them per layer among
+    /// `candidates`).
     pub fn on(spec: ConvSpec, kernel: Kernel) -> TractResult<QConv> {
-        QConv::build(spec, kernel == Kernel::Tract)
+        let mut op = QConv::build(spec, kernel == Kernel::Tract)?;
+        let (backend, offsets) = match kernel {
+            Kernel::Bytes(tile) => {
+                let zero = op.spec.weight_zero.iter().all(|&z| z == 0);
+                anyhow::ensure!(zero, "the byte tile needs weight zero points of 0");
+                QConv::bytes_backend(&op.spec, tile)?
+            }
+            Kernel::I16(tile) => QConv::i16_backend(&op.spec, tile)?,
+            Kernel::Ours | Kernel::Tract | Kernel::Depthwise(_) => return Ok(op),
+        };
+        (op.backend, op.offsets) = (backend, Arc::new(offsets));
+        Ok(op)
+    }
+
+    /// The kernels a layer of `spec` can run here, our default form first:
+    /// each byte tile the host has (where the weights' zero points are 0),
+    /// each of its i16 tiles and tract-linalg's.
+    pub fn candidates(spec: &ConvSpec) -> Vec<Kernel> {
+        let bytes = match spec.weight_zero.iter().all(|&z| z == 0) {
+            true => udot::TileKernel::available(),
+            false => Vec::new(),
+        };
+        let default = match bytes.first() {
+            Some(&tile) if tile.dot_product() => Kernel::Bytes(tile),
+            _ => Kernel::I16(igemm::TileKernel::best()),
+        };
+        let mut kernels = vec![default];
+        let i16_tiles = igemm::TileKernel::timed().into_iter().map(Kernel::I16);
+        let ours = bytes.into_iter().map(Kernel::Bytes).chain(i16_tiles);
+        kernels.extend(ours.filter(|&k| k != default));
+        kernels.push(Kernel::Tract);
+        kernels
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
@@ -89,18 +125,18 @@ impl QConv {
     #[cfg(test)]
     pub(super) fn on_i16_tile(spec: ConvSpec) -> TractResult<QConv> {
         let mut op = QConv::build(spec, true)?;
-        let (backend, offsets) = QConv::i16_backend(&op.spec)?;
+        let (backend, offsets) = QConv::i16_backend(&op.spec, igemm::TileKernel::best())?;
         (op.backend, op.offsets) = (backend, Arc::new(offsets));
         Ok(op)
     }
 
-    fn i16_backend(spec: &ConvSpec) -> TractResult<(Backend, Vec<i32>)> {
+    fn i16_backend(spec: &ConvSpec, tile: igemm::TileKernel) -> TractResult<(Backend, Vec<i32>)> {
         let g = spec.geometry;
         let left =
             igemm::Left::pack(&spec.weights, g.out_channels, g.patch_len(), 4, |c| per(&spec.weight_zero, c));
         let layout = PatchLayout::new(&g, igemm::NR)?;
         Ok((
-            Backend::Ours(Arc::new(left), Arc::new(layout)),
+            Backend::Ours(Arc::new(left), Arc::new(layout), tile),
             (0..g.out_channels).map(|c| per(&spec.bias, c)).collect(),
         ))
     }
@@ -131,7 +167,7 @@ impl QConv {
         ) {
             QConv::bytes_backend(&spec, kernel)?
         } else {
-            QConv::i16_backend(&spec)?
+            QConv::i16_backend(&spec, igemm::TileKernel::best())?
         };
         let multipliers = multipliers(&spec.input, &spec.weight_scale, &spec.output, g.out_channels);
         let any_weight_zero = spec.weight_zero.iter().any(|&z| z != 0);
@@ -144,30 +180,31 @@ impl QConv {
             input_layout: Layout::ChannelsFirst,
             output_layout: Layout::ChannelsFirst,
             pixel_weights: None,
+            hand_off_tile: None,
         })
     }
 
     pub(super) fn kernel_name(&self) -> String {
         match &self.backend {
             Backend::Bytes(.., kernel) => kernel.name().into(),
-            Backend::Ours(..) => super::igemm::TileKernel::best().name().into(),
+            Backend::Ours(.., tile) => tile.name().into(),
             Backend::Tract(w) => w.kernel_name(),
         }
     }
 
     /// This op reading its input channels-last, where it can: a pointwise
-    /// convolution on the byte tile (or on our i16 tile where the byte tile
-    /// lacks a dot product, then moved to it), whose packing then loads a
-    /// pixel's channels four at a time instead of transposing.
+    /// convolution on a byte tile (or on our i16 tile, which the timing
+    /// chose on this layer, then moved to the fastest byte tile measured
+    /// on it), whose packing then loads a pixel's channels four at a time
+    /// instead of transposing. On tract-linalg's kernels it cannot.
     pub fn taking_channels_last(&self) -> Option<QConv> {
         if !self.spec.geometry.is_pointwise() {
             return None;
         }
         let mut op = QConv { input_layout: Layout::ChannelsLast, ..self.clone() };
-        match (&self.backend, udot::TileKernel::best()) {
+        match (&self.backend, self.hand_off_tile.or(udot::TileKernel::best())) {
             (Backend::Bytes(..), _) => Some(op),
-            // Our i16 tile, where the byte tile lacks a dot product (AVX2
-            // alone): the byte tile then, for what the hand-off saves.
+            // The byte tile then, for what the hand-off saves.
             (Backend::Ours(..), Some(kernel)) if !self.any_weight_zero => {
                 let (backend, offsets) = QConv::bytes_backend(&self.spec, kernel).ok()?;
                 (op.backend, op.offsets) = (backend, Arc::new(offsets));
@@ -239,13 +276,13 @@ impl QConv {
                 }
             }
             _ if channels_last => anyhow::bail!("QConv: a channels-last input off the byte tile"),
-            Backend::Ours(left, layout) => {
+            Backend::Ours(left, layout, tile) => {
                 let (mut right, mut plane) = (igemm::Right::default(), Vec::new());
                 for (image, y) in x.chunks(image_len.max(1)).zip(out.chunks_mut(g.out_channels * n)) {
                     widen_padded(&g, image, self.spec.input.zero_i8(), &mut plane);
                     right.pack_patches(&plane, layout);
                     self.requantize_tiles(left.mr, igemm::NR, n, y, |emit| {
-                        igemm::product(left, &right, emit)
+                        igemm::product_on(*tile, left, &right, emit)
                     });
                 }
             }

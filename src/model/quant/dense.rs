@@ -71,7 +71,7 @@ impl FloatTail {
 /// tile), or tract-linalg's kernels.
 #[derive(Debug, Clone)]
 enum Backend {
-    Ours(Arc<igemm::Right>),
+    Ours(Arc<igemm::Right>, igemm::TileKernel),
     Tract(Arc<Weights>),
 }
 
@@ -92,7 +92,20 @@ impl PartialEq for QDense {
 impl QDense {
     /// On the given kernels (`choice::Chooser` picks them per layer).
     pub fn on(spec: DenseSpec, kernel: Kernel) -> TractResult<QDense> {
-        QDense::build(spec, kernel == Kernel::Tract)
+        anyhow::ensure!(!matches!(kernel, Kernel::Bytes(_)), "a dense layer has no byte tile");
+        let mut op = QDense::build(spec, kernel == Kernel::Tract)?;
+        if let (Kernel::I16(tile), Backend::Ours(right, _)) = (kernel, &op.backend) {
+            op.backend = Backend::Ours(right.clone(), tile);
+        }
+        Ok(op)
+    }
+
+    /// The kernels a dense layer runs here, the host's best first: each of
+    /// our i16 tiles and tract-linalg's.
+    pub fn candidates() -> Vec<Kernel> {
+        let mut kernels: Vec<Kernel> = igemm::TileKernel::timed().into_iter().map(Kernel::I16).collect();
+        kernels.push(Kernel::Tract);
+        kernels
     }
 
     /// On tract-linalg's kernels whatever the host (tests compare both).
@@ -115,7 +128,8 @@ impl QDense {
             (Backend::Tract(Arc::new(weights)), offsets)
         } else {
             let right = igemm::Right::pack_transposed(&spec.weights, m, k, |c| per(&spec.weight_zero, c));
-            (Backend::Ours(Arc::new(right)), (0..m).map(|c| per(&spec.bias, c)).collect())
+            let tile = igemm::TileKernel::best();
+            (Backend::Ours(Arc::new(right), tile), (0..m).map(|c| per(&spec.bias, c)).collect())
         };
         let multipliers = multipliers(&spec.input, &spec.weight_scale, &spec.output, m);
         Ok(QDense {
@@ -128,7 +142,7 @@ impl QDense {
 
     pub(super) fn kernel_name(&self) -> String {
         match &self.backend {
-            Backend::Ours(_) => super::igemm::TileKernel::best().name().into(),
+            Backend::Ours(_, tile) => tile.name().into(),
             Backend::Tract(w) => w.kernel_name(),
         }
     }
@@ -142,10 +156,10 @@ impl QDense {
         let (lo_f, hi_f) = ((lo - zy) as f32, (hi - zy) as f32);
         let mut out = vec![0i8; rows * m];
         match &self.backend {
-            Backend::Ours(right) => {
+            Backend::Ours(right, tile) => {
                 let zx = self.spec.input.zero_i8();
                 let left = igemm::Left::pack(x, rows, k, if rows >= 4 { 4 } else { 1 }, |_| zx);
-                igemm::product(&left, right, |r0, c0, tile| {
+                igemm::product_on(*tile, &left, right, |r0, c0, tile| {
                     let width = igemm::NR.min(m - c0);
                     for i in 0..left.mr.min(rows - r0) {
                         let y = &mut out[(r0 + i) * m + c0..(r0 + i) * m + c0 + width];

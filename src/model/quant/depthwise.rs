@@ -18,7 +18,6 @@
 //! NEON on arm64 (`smlal` per tap), and a portable one; all are tested
 //! bit-exact against the same scalar reference.
 
-use super::choice;
 use super::patches::Layout;
 use super::planar;
 use super::requant::{output_range, per, requantize_one};
@@ -31,8 +30,10 @@ use tract_onnx::tract_core::internal::*;
 /// Channels one kernel step computes: 16 i16 lanes, one AVX2 register.
 const BLOCK: usize = 16;
 
+/// How a depthwise layer runs channels-last (or `Planar`): one form per
+/// instruction set, timed per layer against each other (`choice.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kernel {
+pub enum Kernel {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -78,6 +79,42 @@ impl Kernel {
 
     fn best() -> Kernel {
         Kernel::available()[0]
+    }
+
+    /// Every form this build has (whether or not the host runs it).
+    const ALL: &[Kernel] = &[
+        Kernel::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni,
+        #[cfg(target_arch = "aarch64")]
+        Kernel::Neon,
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Planar,
+    ];
+
+    /// A short name for the kernel choices (the cache file, the fail point).
+    pub fn id(self) -> &'static str {
+        match self {
+            Kernel::Portable => "dw_portable",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => "dw_avx2",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => "dw_avx512",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => "dw_avx512_vnni",
+            #[cfg(target_arch = "aarch64")]
+            Kernel::Neon => "dw_neon",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Planar => "planar",
+        }
+    }
+
+    pub fn from_id(id: &str) -> Option<Kernel> {
+        Kernel::ALL.iter().copied().find(|k| k.id() == id)
     }
 
     fn name(self) -> &'static str {
@@ -256,25 +293,33 @@ impl QDepthwise {
         QDepthwise::build(spec, Kernel::best())
     }
 
-    /// The layouts a layer can run in here, channels-last first.
-    pub fn candidates(spec: &ConvSpec) -> Vec<choice::Kernel> {
-        let mut candidates = vec![choice::Kernel::Ours];
-        if planar::Filters::fits(spec) {
-            candidates.push(choice::Kernel::Planar);
-        }
-        candidates
-    }
-
-    /// In the layout `choice::Chooser` picked: `Planar` where it `fits`,
-    /// channels-last on the best kernel otherwise.
-    pub fn on(spec: ConvSpec, kernel: choice::Kernel) -> TractResult<QDepthwise> {
+    /// The kernels a layer can run on here, the host's best first: each
+    /// channels-last one it has (the portable one only where it has no
+    /// other), and `Planar` where it fits (`choice.rs` times them).
+    pub fn kernels(spec: &ConvSpec) -> Vec<Kernel> {
+        let available = Kernel::available();
+        let simd: Vec<Kernel> = available.iter().copied().filter(|&k| k != Kernel::Portable).collect();
+        #[allow(unused_mut)] // pushed to only on x86-64
+        let mut kernels = if simd.is_empty() { vec![Kernel::Portable] } else { simd };
         #[cfg(target_arch = "x86_64")]
-        if kernel == choice::Kernel::Planar && planar::Filters::fits(&spec) {
-            return QDepthwise::build(spec, Kernel::Planar);
+        if planar::Filters::fits(spec) {
+            kernels.push(Kernel::Planar);
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = kernel; // one layout off x86-64
-        QDepthwise::new(spec)
+        let _ = spec;
+        kernels
+    }
+
+    /// On `kernel`, one of `kernels`.
+    pub fn on(spec: ConvSpec, kernel: Kernel) -> TractResult<QDepthwise> {
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::Planar {
+            anyhow::ensure!(
+                planar::Filters::fits(&spec),
+                "QDepthwise: the planar kernel does not fit this layer"
+            );
+        }
+        QDepthwise::build(spec, kernel)
     }
 
     /// The op once per kernel this host can run (the tests compare them all).

@@ -143,6 +143,39 @@ impl TileKernel {
         *BEST.get_or_init(|| TileKernel::available()[0])
     }
 
+    /// The ones worth timing here: every SIMD kernel the host has (the
+    /// portable one only where it has none).
+    pub fn timed() -> Vec<TileKernel> {
+        let all = TileKernel::available();
+        let simd: Vec<TileKernel> = all.iter().copied().filter(|&k| k != TileKernel::Portable).collect();
+        if simd.is_empty() { all } else { simd }
+    }
+
+    /// Every kernel this build has (whether or not the host runs it).
+    const ALL: &[TileKernel] = &[
+        TileKernel::Portable,
+        #[cfg(target_arch = "x86_64")]
+        TileKernel::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        TileKernel::Avx512Vnni,
+    ];
+
+    /// A short name for the kernel choices (the cache file, the fail point).
+    pub fn id(self) -> &'static str {
+        match self {
+            TileKernel::Portable => "i16_portable",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => "i16_avx2",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512Vnni => "i16_avx512_vnni",
+        }
+    }
+
+    /// The kernel `id` names, if this build has it.
+    pub fn from_id(id: &str) -> Option<TileKernel> {
+        TileKernel::ALL.iter().copied().find(|k| k.id() == id)
+    }
+
     /// As `models profile` and the plan's node info report it.
     pub fn name(self) -> &'static str {
         match self {

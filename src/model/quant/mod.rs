@@ -20,7 +20,7 @@ pub mod dense;
 pub mod depthwise;
 pub mod float_depthwise;
 mod gemm;
-mod igemm;
+pub mod igemm;
 pub mod layout;
 mod patches;
 mod pattern;
@@ -29,7 +29,7 @@ pub mod pool;
 pub mod requant;
 pub mod spec;
 mod transpose;
-mod udot;
+pub mod udot;
 
 use choice::Kernel;
 use pattern::{Found, Fusion};
@@ -221,17 +221,22 @@ fn replace(
             let spec = sized(spec, &facts[0])?;
             let g = spec.geometry;
             let image: Vec<i8> = sample(g.in_channels * g.height * g.width);
-            Box::new(chooser.pick(
+            let mut op = chooser.pick(
                 &found.node,
-                &[Kernel::Ours, Kernel::Tract],
+                &conv::QConv::candidates(&spec),
                 |kernel| conv::QConv::on(spec.clone(), kernel),
                 conv::QConv::kernel_name,
                 |op| op.run(&image, 1).map(drop),
-            )?)
+            )?;
+            // Where a channels-last hand-off moves it onto a byte tile: the
+            // one that was fastest on this layer.
+            op.hand_off_tile = chooser.fastest_byte_tile(&found.node);
+            Box::new(op)
         }
         Fusion::Depthwise(spec) => {
             let spec = sized(spec, &facts[0])?;
-            let candidates = depthwise::QDepthwise::candidates(&spec);
+            let candidates: Vec<Kernel> =
+                depthwise::QDepthwise::kernels(&spec).into_iter().map(Kernel::Depthwise).collect();
             if candidates.len() == 1 {
                 Box::new(depthwise::QDepthwise::new(spec)?)
             } else {
@@ -240,7 +245,10 @@ fn replace(
                 Box::new(chooser.pick(
                     &found.node,
                     &candidates,
-                    |kernel| depthwise::QDepthwise::on(spec.clone(), kernel),
+                    |kernel| match kernel {
+                        Kernel::Depthwise(form) => depthwise::QDepthwise::on(spec.clone(), form),
+                        _ => depthwise::QDepthwise::new(spec.clone()),
+                    },
                     |op| op.kernel_name().into(),
                     |op| op.run(&image, 1).map(drop),
                 )?)
@@ -255,7 +263,7 @@ fn replace(
             let row = sample(spec.inputs);
             Box::new(chooser.pick(
                 &found.node,
-                &[Kernel::Ours, Kernel::Tract],
+                &dense::QDense::candidates(),
                 |kernel| dense::QDense::on(spec.clone(), kernel),
                 dense::QDense::kernel_name,
                 |op| op.run(&row, 1).map(drop),

@@ -4,6 +4,7 @@
 //! dilations, zero points and per-channel scales.
 
 use super::add::QAdd;
+use super::choice::Kernel;
 use super::conv::QConv;
 use super::dense::{DenseSpec, QDense};
 use super::depthwise::QDepthwise;
@@ -232,6 +233,12 @@ proptest! {
         let want = depthwise_reference(&spec, &x, images);
         let want_last = channels_last(&want, images, spec.geometry.out_channels);
         let x_last = channels_last(&x, images, spec.geometry.in_channels);
+        // Each form the timing may choose is one `every_kernel` checks.
+        let names: Vec<&str> = QDepthwise::every_kernel(spec.clone()).unwrap().iter().map(|op| op.kernel_name()).collect();
+        for kernel in QDepthwise::kernels(&spec) {
+            let op = QDepthwise::on(spec.clone(), kernel).unwrap();
+            prop_assert!(names.contains(&op.kernel_name()), "{:?}: {} not in {:?}", kernel, op.kernel_name(), names);
+        }
         for op in QDepthwise::every_kernel(spec.clone()).unwrap() {
             let got = op.run(&x, images).unwrap();
             prop_assert_eq!(&got, &want, "{}, {:?}", op.kernel_name(), spec.geometry);
@@ -255,7 +262,14 @@ proptest! {
         let tract = QConv::on_tract_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
         prop_assert_eq!(&tract, &want, "tract kernels, {:?}", spec.geometry);
         let ours = QConv::on_our_kernels(spec.clone()).unwrap().run(&x, images).unwrap();
-        prop_assert_eq!(ours, want, "our kernels, {:?}", spec.geometry);
+        prop_assert_eq!(&ours, &want, "our kernels, {:?}", spec.geometry);
+        // Every kernel the load-time timing may choose gives the same bits.
+        let candidates = QConv::candidates(&spec);
+        prop_assert!(candidates.iter().any(|k| matches!(k, Kernel::I16(_))) && candidates.contains(&Kernel::Tract), "{:?}", candidates);
+        for kernel in candidates {
+            let op = QConv::on(spec.clone(), kernel).unwrap();
+            prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "{:?} ({}), {:?}", kernel, op.kernel_name(), spec.geometry);
+        }
     }
 
     #[test]
@@ -280,9 +294,16 @@ proptest! {
         prop_assert!(op.kernel_name().contains("i16x2"), "{}", op.kernel_name());
         prop_assert_eq!(&op.run(&x, images).unwrap(), &want, "i16 tile, {:?}", spec.geometry);
         if let Some(best) = super::udot::TileKernel::best() {
-            let op = op.taking_channels_last().expect("a pointwise layer with a byte tile here reads channels-last");
-            prop_assert_eq!(op.kernel_name(), best.name());
-            prop_assert_eq!(&op.run(&x_last, images).unwrap(), &want, "from the i16 tile, {:?}", spec.geometry);
+            let moved = op.taking_channels_last().expect("a pointwise layer with a byte tile here reads channels-last");
+            prop_assert_eq!(moved.kernel_name(), best.name());
+            prop_assert_eq!(&moved.run(&x_last, images).unwrap(), &want, "from the i16 tile, {:?}", spec.geometry);
+            // To the byte tile that was fastest on the layer, where one was measured.
+            let last = *super::udot::TileKernel::available().last().unwrap();
+            let mut measured = op.clone();
+            measured.hand_off_tile = Some(last);
+            let moved = measured.taking_channels_last().unwrap();
+            prop_assert_eq!(moved.kernel_name(), last.name());
+            prop_assert_eq!(&moved.run(&x_last, images).unwrap(), &want, "to {:?}, {:?}", last, spec.geometry);
         }
     }
 
@@ -358,7 +379,11 @@ proptest! {
             }
         }
         prop_assert_eq!(&QDense::on_tract_kernels(spec.clone()).unwrap().run(&x, rows).unwrap(), &want, "tract kernels");
-        prop_assert_eq!(QDense::on_our_kernels(spec).unwrap().run(&x, rows).unwrap(), want, "our kernels");
+        prop_assert_eq!(&QDense::on_our_kernels(spec.clone()).unwrap().run(&x, rows).unwrap(), &want, "our kernels");
+        for kernel in QDense::candidates() {
+            let op = QDense::on(spec.clone(), kernel).unwrap();
+            prop_assert_eq!(&op.run(&x, rows).unwrap(), &want, "{:?}", kernel);
+        }
     }
 
     #[test]

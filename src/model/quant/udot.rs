@@ -619,6 +619,43 @@ impl TileKernel {
             TileKernel::NeonI8mm => "edgeinfer neon i8mm usmmla u8xs8",
         }
     }
+
+    /// Every tile this build has (whether or not the host runs it).
+    const ALL: &[TileKernel] = &[
+        TileKernel::Portable,
+        #[cfg(target_arch = "x86_64")]
+        TileKernel::Avx512Vnni,
+        #[cfg(target_arch = "x86_64")]
+        TileKernel::AvxVnni,
+        #[cfg(target_arch = "x86_64")]
+        TileKernel::Avx2,
+        #[cfg(target_arch = "aarch64")]
+        TileKernel::NeonDot,
+        #[cfg(target_arch = "aarch64")]
+        TileKernel::NeonI8mm,
+    ];
+
+    /// A short name for the kernel choices (the cache file, the fail point).
+    pub fn id(self) -> &'static str {
+        match self {
+            TileKernel::Portable => "portable_bytes",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx512Vnni => "avx512_vnni",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::AvxVnni => "avx_vnni",
+            #[cfg(target_arch = "x86_64")]
+            TileKernel::Avx2 => "avx2_bytes",
+            #[cfg(target_arch = "aarch64")]
+            TileKernel::NeonDot => "neon_sdot",
+            #[cfg(target_arch = "aarch64")]
+            TileKernel::NeonI8mm => "neon_i8mm",
+        }
+    }
+
+    /// The tile `id` names, if this build has it.
+    pub fn from_id(id: &str) -> Option<TileKernel> {
+        TileKernel::ALL.iter().copied().find(|k| k.id() == id)
+    }
 }
 
 /// `weights x patches`, one `MR x NR` tile at a time, each handed to
