@@ -7,7 +7,7 @@
 
 use crate::config::Config;
 use crate::engine::cache::{Cache, CacheOptions, CacheStats, CheckReport, DiskError};
-use crate::rollout::{Asker, ConfigPlan, Decision, Deployments, ModelReport, Plan, RolloutError};
+use crate::rollout::{Asker, Decision, Deployments, ModelReport, Plan, RolloutError};
 use crate::transport::mqtt::{AskError, ControlAsk, ControlCommand};
 use std::path::PathBuf;
 
@@ -223,14 +223,9 @@ pub async fn models_change(
             let policy = config.rollout_policy(model);
             let overrides = (steps.as_deref(), gates.as_deref());
             let by = "models rollout (no node)";
-            let plan = match file {
-                None => Plan::new(version.as_deref(), mode.as_deref(), &policy, overrides)?,
-                Some(file) => {
-                    let deployment = deployments.models.get(model);
-                    let candidate = ConfigPlan::new(file, deployment, &config.serving(model), by, now_s)?;
-                    Plan::for_config(candidate, mode.as_deref(), &policy, overrides)?
-                }
-            };
+            let (asked, node) = ((version.as_deref(), file.as_deref()), config.serving(model));
+            let stable = (deployments.models.get(model), &node);
+            let plan = Plan::asked(asked, mode.as_deref(), &policy, overrides, stable, by, now_s)?;
             deployments.start_rollout(model, plan, &available, &Asker::named(by), now_s)?
         }
     };

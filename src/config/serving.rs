@@ -192,7 +192,13 @@ pub fn parse_change(text: &str) -> Result<ServingChange, String> {
 
 /// The version of a canonical text.
 pub fn version_of(text: &str) -> String {
-    hex::encode(Sha256::digest(text.as_bytes()))[..12].to_string()
+    sha256_of(text)[..12].to_string()
+}
+
+/// The whole sha256 of a canonical text, in hex; its first 12 digits are
+/// the config version.
+pub fn sha256_of(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
 }
 
 #[cfg(test)]

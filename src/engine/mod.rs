@@ -268,25 +268,36 @@ impl Engine {
     /// mode (default canary) and the model's policy in service with the
     /// command's overrides. With `config` (a config candidate file, from
     /// `by`), a config rollout on stable's version instead.
-    pub fn rollout_plan(
+    fn rollout_plan(
         &self,
         (model, version, config): (&str, Option<&str>, Option<&str>),
         mode: Option<&str>,
         overrides: (Option<&str>, Option<&str>),
         by: &str,
     ) -> Result<crate::rollout::Plan, crate::rollout::RolloutError> {
-        use crate::rollout::{ConfigPlan, Plan, RolloutError};
-        let policy = self.current().options.rollout(model);
-        let Some(file) = config else { return Plan::new(version, mode, &policy, overrides) };
-        if let Some(v) = version.filter(|v| !v.is_empty()) {
-            return Err(RolloutError::BadConfig(format!(
-                "it runs on stable's model version; name no version (v{v} was named)"
-            )));
+        let (policy, node) = (self.current().options.rollout(model), self.node_serving(model));
+        let deployments = self.deployments();
+        let stable = (deployments.as_deref().and_then(|d| d.models.get(model)), &node);
+        let asked = (version, config);
+        crate::rollout::Plan::asked(asked, mode, &policy, overrides, stable, by, telemetry::unix_now())
+    }
+
+    /// `models rollout` as a transport asks it (`rollout_plan`'s request,
+    /// from `by`): the version loaded first where it was dropped in since
+    /// the last load, then the rollout started.
+    pub async fn start_rollout(
+        &self,
+        asked: (&str, Option<&str>, Option<&str>),
+        mode: Option<&str>,
+        overrides: (Option<&str>, Option<&str>),
+        by: crate::rollout::Asker,
+    ) -> Result<crate::rollout::Decision, RolloutError> {
+        let rollout = self.rollout.as_ref().ok_or(RolloutError::Stopped)?;
+        let plan = self.rollout_plan(asked, mode, overrides, &by.by)?;
+        if plan.config.is_none() {
+            self.load_new_version(asked.0, &plan.version).await?;
         }
-        let deployments = self.deployments().ok_or(RolloutError::Stopped)?;
-        let (node, now_s) = (self.node_serving(model), telemetry::unix_now());
-        let plan = ConfigPlan::new(file, deployments.models.get(model), &node, by, now_s)?;
-        Plan::for_config(plan, mode, &policy, overrides)
+        rollout.start_rollout(asked.0, plan, self.registry().available(), by).await
     }
 
     /// The deployment state in service, if there is one.

@@ -18,9 +18,6 @@ pub struct EngineOptions {
     /// config version), by name; models not listed take `default_settings`.
     pub settings: HashMap<String, Arc<Settings>>,
     pub default_settings: Arc<Settings>,
-    /// The same, as the config's values (what a config candidate changes).
-    pub serving: HashMap<String, ServingConfig>,
-    pub default_serving: ServingConfig,
     /// How each model's rollouts step and judge; models not listed take
     /// the defaults.
     pub rollout: HashMap<String, RolloutPolicy>,
@@ -29,18 +26,17 @@ pub struct EngineOptions {
 impl EngineOptions {
     /// The options the config file asks for.
     pub fn from_config(config: &Config) -> EngineOptions {
-        let serving: HashMap<String, ServingConfig> =
-            config.models.keys().map(|m| (m.clone(), config.serving(m))).collect();
-        let default_serving = config.default_serving();
         EngineOptions {
             node_id: config.node.id.clone(),
             limits: config.limits.clone(),
             threads_per_model: config.runtime.threads_per_model,
             queue_capacity: config.runtime.queue_capacity,
-            settings: serving.iter().map(|(m, s)| (m.clone(), Arc::new(Settings::new(s)))).collect(),
-            default_settings: Arc::new(Settings::new(&default_serving)),
-            serving,
-            default_serving,
+            settings: config
+                .models
+                .keys()
+                .map(|m| (m.clone(), Arc::new(Settings::new(&config.serving(m)))))
+                .collect(),
+            default_settings: Arc::new(Settings::new(&config.default_serving())),
             rollout: config.models.iter().map(|(m, c)| (m.clone(), c.rollout.clone())).collect(),
         }
     }
@@ -57,7 +53,7 @@ impl EngineOptions {
 
     /// `model`'s serving values from the node config.
     pub fn serving(&self, model: &str) -> &ServingConfig {
-        self.serving.get(model).unwrap_or(&self.default_serving)
+        &self.settings(model).serving
     }
 }
 

@@ -22,6 +22,8 @@ use std::time::Duration;
 pub struct Settings {
     /// The config version (`parameters.config_version` in replies).
     pub version: String,
+    /// The values it was built from (what a config candidate changes).
+    pub serving: ServingConfig,
     pub batching: BatchPolicy,
     pub cascade: CascadePolicy,
     /// Zero: the model's answers are not cached.
@@ -36,6 +38,7 @@ impl Settings {
     pub fn new(serving: &ServingConfig) -> Settings {
         Settings {
             version: serving.version(),
+            serving: serving.clone(),
             batching: BatchPolicy::new(serving),
             cascade: CascadePolicy::new(serving),
             cache_ttl: Duration::from_secs(serving.cache_ttl_s),

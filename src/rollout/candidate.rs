@@ -33,6 +33,28 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// A rollout of `version` (with `config`, a config rollout) at its first
+    /// step, started by `by` now.
+    pub fn starting(
+        (version, config): (String, Option<String>),
+        (mode, policy): (RolloutMode, RolloutPolicy),
+        by: &str,
+        now_s: u64,
+    ) -> Candidate {
+        Candidate {
+            version,
+            config,
+            mode,
+            policy,
+            step: 0,
+            step_started_s: now_s,
+            step_id: fastrand::u64(1..),
+            started_at_s: now_s,
+            by: by.into(),
+            held: None,
+        }
+    }
+
     /// The percentage of devices the candidate answers (none in shadow).
     pub fn share(&self) -> u8 {
         match self.mode {

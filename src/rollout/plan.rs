@@ -8,7 +8,7 @@ use super::state::{
     Action, Asker, Available, ConfigChange, ConfigRecord, Decision, Deployment, Deployments, RolloutError,
     keep_last, promote_config, record, versions_of,
 };
-use crate::config::serving::{ServingConfig, parse_change};
+use crate::config::serving::{ServingConfig, parse_change, sha256_of};
 use crate::config::{OnInconclusive, RolloutMode, RolloutPolicy};
 
 /// How a rollout is asked for.
@@ -54,14 +54,14 @@ impl ConfigPlan {
         if let Some((key, why)) = candidate.problems("config").into_iter().next() {
             return Err(RolloutError::BadConfig(format!("{key} = {why}")));
         }
-        let (version, base_version) = (candidate.version(), stable.version());
+        let text = candidate.text();
+        let sha256 = sha256_of(&text);
+        let (version, base_version) = (sha256[..12].to_string(), stable.version());
         if version == base_version {
             return Err(RolloutError::BadConfig(format!(
                 "it changes nothing: the stable config (version {base_version}) already has these values"
             )));
         }
-        let text = candidate.text();
-        let sha256 = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(text.as_bytes()));
         let record = ConfigRecord { text, sha256, file: file.to_string(), at_s: now_s, by: by.to_string() };
         let base = deployment.and_then(|d| d.stable_config.clone());
         Ok(ConfigPlan { version, record, base, base_version })
@@ -103,9 +103,33 @@ impl Plan {
         Ok(Plan { version: version.to_string(), mode, policy, serving_before: None, config: None })
     }
 
-    /// `models rollout NAME --config FILE`'s request: `config` on stable's
-    /// version, with the mode and policy as `new` takes them.
-    pub fn for_config(
+    /// `models rollout`'s request as a node or the state file takes it: a
+    /// version (`new`), or a config candidate `file` over the stable config
+    /// of `deployment` (`node`, the node config's, where none was promoted)
+    /// on stable's version, by `by`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn asked(
+        (version, file): (Option<&str>, Option<&str>),
+        mode: Option<&str>,
+        policy: &RolloutPolicy,
+        overrides: (Option<&str>, Option<&str>),
+        (deployment, node): (Option<&Deployment>, &ServingConfig),
+        by: &str,
+        now_s: u64,
+    ) -> Result<Plan, RolloutError> {
+        let Some(file) = file else { return Plan::new(version, mode, policy, overrides) };
+        if let Some(v) = version.filter(|v| !v.is_empty()) {
+            return Err(RolloutError::BadConfig(format!(
+                "it runs on stable's model version; name no version (v{v} was named)"
+            )));
+        }
+        let config = ConfigPlan::new(file, deployment, node, by, now_s)?;
+        Plan::for_config(config, mode, policy, overrides)
+    }
+
+    /// `config` on stable's version, with the mode and policy as `new`
+    /// takes them.
+    fn for_config(
         config: ConfigPlan,
         mode: Option<&str>,
         policy: &RolloutPolicy,
@@ -141,11 +165,7 @@ impl Deployments {
                 known: versions.join(", "),
             });
         }
-        plan.policy.check().map_err(|(key, why)| RolloutError::BadPolicy(format!("{key}: {why}")))?;
-        if let Some(c) = self.models.get(model).and_then(|d| d.candidate.as_ref()) {
-            let (version, mode) = (c.version.clone(), c.mode.as_str());
-            return Err(RolloutError::InRollout { model: model.into(), version, mode });
-        }
+        self.may_start(model, &plan.policy)?;
         // What serves once the candidate is set aside.
         let mut others = available.clone();
         others.entry(model.to_string()).or_default().retain(|v| *v != plan.version);
@@ -168,21 +188,23 @@ impl Deployments {
         let deployment = self.models.entry(model.to_string()).or_default();
         let mut decision = Decision::new(model, Action::Started, &plan.version, &stable, asker, now_s);
         deployment.stable = stable;
-        let candidate = Candidate {
-            version: plan.version,
-            config: None,
-            mode: plan.mode,
-            policy: plan.policy,
-            step: 0,
-            step_started_s: now_s,
-            step_id: fastrand::u64(1..),
-            started_at_s: now_s,
-            by: asker.by.clone(),
-            held: None,
-        };
+        let candidate = Candidate::starting((plan.version, None), (plan.mode, plan.policy), &asker.by, now_s);
         decision.reason = format!("{} started: {}", candidate.mode.as_str(), candidate.describe_step());
         deployment.candidate = Some(candidate);
         Ok(record(deployment, decision))
+    }
+
+    /// Refuses a rollout whose policy does not hold, or while another runs.
+    fn may_start(&self, model: &str, policy: &RolloutPolicy) -> Result<(), RolloutError> {
+        policy.check().map_err(|(key, why)| RolloutError::BadPolicy(format!("{key}: {why}")))?;
+        match self.models.get(model).and_then(|d| d.candidate.as_ref()) {
+            Some(c) => Err(RolloutError::InRollout {
+                model: model.into(),
+                version: c.version.clone(),
+                mode: c.mode.as_str(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Starts trying `config` on the version serving now, pinned as stable.
@@ -195,11 +217,7 @@ impl Deployments {
         asker: &Asker,
         now_s: u64,
     ) -> Result<Decision, RolloutError> {
-        plan.policy.check().map_err(|(key, why)| RolloutError::BadPolicy(format!("{key}: {why}")))?;
-        if let Some(c) = self.models.get(model).and_then(|d| d.candidate.as_ref()) {
-            let (version, mode) = (c.version.clone(), c.mode.as_str());
-            return Err(RolloutError::InRollout { model: model.into(), version, mode });
-        }
+        self.may_start(model, &plan.policy)?;
         let stable = self.serving(model, available).unwrap_or_default().to_string();
         let deployment = self.models.entry(model.to_string()).or_default();
         if deployment.stable_config != config.base {
@@ -210,18 +228,8 @@ impl Deployments {
         }
         deployment.stable = stable.clone();
         deployment.configs.insert(config.version.clone(), config.record);
-        let candidate = Candidate {
-            version: stable.clone(),
-            config: Some(config.version.clone()),
-            mode: plan.mode,
-            policy: plan.policy,
-            step: 0,
-            step_started_s: now_s,
-            step_id: fastrand::u64(1..),
-            started_at_s: now_s,
-            by: asker.by.clone(),
-            held: None,
-        };
+        let trying = (stable.clone(), Some(config.version.clone()));
+        let candidate = Candidate::starting(trying, (plan.mode, plan.policy), &asker.by, now_s);
         let mut decision = Decision::new(model, Action::Started, &stable, &stable, asker, now_s);
         decision.reason = format!(
             "{} of config {} (over {}) started: {}",

@@ -169,44 +169,30 @@ impl Chooser {
         // `EDGEINFER_AVX512=off EDGEINFER_VNNI=off`, tract-linalg keeping
         // its own dispatch); not kept, since tract's were left out.
         let ours: Vec<Kernel> = candidates.iter().copied().filter(|k| k.is_ours()).collect();
-        if self.fixed == Some(Kernel::Ours) && ours.len() > 1 {
-            let ops = ours.iter().map(|&k| Ok((build(k)?, k))).collect::<TractResult<Vec<_>>>()?;
-            let times = time_all(&ops, &run)?;
-            let best = (0..ops.len()).min_by(|&a, &b| times[a].total_cmp(&times[b])).unwrap_or(0);
-            let times: Vec<(Kernel, f64)> = ours.iter().copied().zip(times).collect();
-            let (op, kernel) = ops.into_iter().nth(best).expect("best indexes ops");
-            self.made.push(LayerChoice {
-                layer: layer.into(),
-                kernel,
-                name: name(&op),
-                times,
-                cached: false,
-            });
-            return Ok(op);
-        }
-        if let Some(fixed) = self.fixed {
-            let kernel = if candidates.contains(&fixed) { fixed } else { candidates[0] };
-            let op = build(kernel)?;
-            let choice = LayerChoice {
-                layer: layer.into(),
-                kernel,
-                name: name(&op),
-                times: Vec::new(),
-                cached: false,
-            };
-            self.made.push(choice);
-            return Ok(op);
-        }
-        if let Some(choice) = self.cached.get(layer).filter(|c| candidates.contains(&c.kernel)) {
-            let op = build(choice.kernel)?;
-            self.made.push(LayerChoice { cached: true, ..choice.clone() });
-            return Ok(op);
-        }
-        let ops = candidates.iter().map(|&k| Ok((build(k)?, k))).collect::<TractResult<Vec<_>>>()?;
+        let timed = match self.fixed {
+            Some(Kernel::Ours) if ours.len() > 1 => &ours[..],
+            Some(fixed) => {
+                let kernel = if candidates.contains(&fixed) { fixed } else { candidates[0] };
+                let op = build(kernel)?;
+                let (name, times) = (name(&op), Vec::new());
+                self.made.push(LayerChoice { layer: layer.into(), kernel, name, times, cached: false });
+                return Ok(op);
+            }
+            None => {
+                if let Some(choice) = self.cached.get(layer).filter(|c| candidates.contains(&c.kernel)) {
+                    let op = build(choice.kernel)?;
+                    self.made.push(LayerChoice { cached: true, ..choice.clone() });
+                    return Ok(op);
+                }
+                // Only a measurement of every candidate is kept (`save`).
+                self.measured += 1;
+                candidates
+            }
+        };
+        let ops = timed.iter().map(|&k| Ok((build(k)?, k))).collect::<TractResult<Vec<_>>>()?;
         let times = time_all(&ops, &run)?;
-        self.measured += 1;
         let best = (0..ops.len()).min_by(|&a, &b| times[a].total_cmp(&times[b])).unwrap_or(0);
-        let times: Vec<(Kernel, f64)> = candidates.iter().copied().zip(times).collect();
+        let times: Vec<(Kernel, f64)> = timed.iter().copied().zip(times).collect();
         let (op, kernel) = ops.into_iter().nth(best).expect("best indexes ops");
         self.made.push(LayerChoice { layer: layer.into(), kernel, name: name(&op), times, cached: false });
         Ok(op)

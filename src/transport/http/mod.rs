@@ -141,7 +141,9 @@ async fn models_rollback(State(state): State<AppState>, Query(q): Query<ModelQue
 /// (TOML, at most `MAX_CHANGE_BYTES`) as the body and no version: a config
 /// rollout on stable's version.
 async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuery>, body: Body) -> Response {
-    let Some(rollout) = state.engine.rollout() else { return no_rollout() };
+    if state.engine.rollout().is_none() {
+        return no_rollout();
+    }
     let limit = crate::config::serving::MAX_CHANGE_BYTES;
     let read = tokio::time::timeout(state.body_timeout, axum::body::to_bytes(body, limit + 1)).await;
     let config = match read {
@@ -157,21 +159,10 @@ async fn models_rollout(State(state): State<AppState>, Query(q): Query<ModelQuer
     };
     let model = q.model.unwrap_or_default();
     let overrides = (q.steps.as_deref(), q.gates.as_deref());
-    let by = "models rollout (http)";
     let asked = (model.as_str(), q.version.as_deref(), config.as_deref());
-    let plan = state.engine.rollout_plan(asked, q.mode.as_deref(), overrides, by);
-    if let Ok(plan) = &plan
-        && plan.config.is_none()
-        && let Err(e) = state.engine.load_new_version(&model, &plan.version).await
-    {
-        return rollout_error(&e);
-    }
-    let available = state.engine.registry().available();
-    match plan {
-        Ok(plan) => match rollout.start_rollout(&model, plan, available, Asker::named(by)).await {
-            Ok(decision) => axum::Json(decision).into_response(),
-            Err(e) => rollout_error(&e),
-        },
+    let by = Asker::named("models rollout (http)");
+    match state.engine.start_rollout(asked, q.mode.as_deref(), overrides, by).await {
+        Ok(decision) => axum::Json(decision).into_response(),
         Err(e) => rollout_error(&e),
     }
 }

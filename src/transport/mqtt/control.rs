@@ -163,20 +163,11 @@ impl ControlTask {
                     }
                 };
                 let asked = (model.as_str(), command.version.as_deref(), config.as_deref());
-                match self.engine.rollout_plan(asked, command.mode.as_deref(), overrides, "control topic") {
-                    Ok(plan) if plan.config.is_some() => {
-                        rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d))
-                    }
-                    Ok(plan) => match self.engine.load_new_version(&model, &plan.version).await {
-                        // A version dropped in since the last load is there now.
-                        Ok(()) => {
-                            let available = self.engine.registry().available();
-                            rollout.start_rollout(&model, plan, available, by).await.map(|d| json!(d))
-                        }
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
-                }
+                // A version dropped in since the last load is loaded first.
+                self.engine
+                    .start_rollout(asked, command.mode.as_deref(), overrides, by)
+                    .await
+                    .map(|d| json!(d))
             }
             other => {
                 return Err((
