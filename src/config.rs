@@ -39,6 +39,7 @@ pub struct Config {
     pub feedback: FeedbackConfig,
     pub control: ControlConfig,
     pub site: SiteConfig,
+    pub tracing: TracingConfig,
     /// Per-model settings, keyed by model name.
     pub models: BTreeMap<String, ModelConfig>,
 }
@@ -441,6 +442,60 @@ pub struct FeedbackConfig {
 impl Default for FeedbackConfig {
     fn default() -> Self {
         FeedbackConfig { enabled: true, window_s: 3600, max_entries: 100_000, max_bytes: 32 * 1024 * 1024 }
+    }
+}
+
+/// `[tracing]`: OpenTelemetry traces over OTLP/HTTP (protobuf). Off by
+/// default. A request is traced from the transport to its reply: a span
+/// for each stage, its caller's W3C `traceparent` as its parent, and the
+/// cloud tier asked with the same trace. `sample_ratio` of new traces are
+/// exported; so is every error reply and every request slower than its
+/// model's `slow_ms`, sampled or not.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// Trace requests and export the spans; off: no trace context is read,
+    /// made or sent.
+    pub enabled: bool,
+    /// Where spans are posted: an OTLP/HTTP traces URL (an OpenTelemetry
+    /// Collector's or Jaeger's `http://HOST:4318/v1/traces`); https uses
+    /// the node's TLS roots.
+    pub endpoint: String,
+    /// A file of `Name: value` lines sent as headers with each export (an
+    /// API key); `#` starts a comment. Kept out of the config for secrecy.
+    pub headers_file: Option<PathBuf>,
+    /// The `service.name` resource attribute; `node.id` is sent as
+    /// `service.instance.id`.
+    pub service_name: String,
+    /// The share of new traces exported (0 to 1). A caller's trace keeps
+    /// the caller's decision (its `traceparent` sampled flag).
+    pub sample_ratio: f64,
+    /// A request slower than this end to end (milliseconds) is exported
+    /// even when not sampled: the latency SLO bucket.
+    pub slow_ms: u64,
+    /// Spans waiting for export; past it spans are dropped and counted in
+    /// `edgeinfer_trace_spans_dropped_total`, so a slow collector never
+    /// delays a reply.
+    pub queue_spans: usize,
+    /// The longest one export may take before its spans are dropped.
+    pub timeout_ms: u64,
+    /// Per model: `slow_ms` for that model (`digits = 10`).
+    pub model_slow_ms: BTreeMap<String, u64>,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            enabled: false,
+            endpoint: "http://127.0.0.1:4318/v1/traces".into(),
+            headers_file: None,
+            service_name: "edgeinfer".into(),
+            sample_ratio: 0.01,
+            slow_ms: 100,
+            queue_spans: 8192,
+            timeout_ms: 5000,
+            model_slow_ms: BTreeMap::new(),
+        }
     }
 }
 
@@ -1118,6 +1173,46 @@ impl Config {
             };
             bad(key, format!("{value}: use at least 1 record and 4096 bytes"));
         }
+        let tracing = &self.tracing;
+        if !(0.0..=1.0).contains(&tracing.sample_ratio) {
+            bad(
+                "tracing.sample_ratio",
+                format!(
+                    "{}: use a share from 0 to 1 (0.01 exports one new trace in a hundred)",
+                    tracing.sample_ratio
+                ),
+            );
+        }
+        if tracing.enabled
+            && !(tracing.endpoint.starts_with("http://") || tracing.endpoint.starts_with("https://"))
+        {
+            bad(
+                "tracing.endpoint",
+                format!(
+                    "{:?}: use an http:// or https:// URL, such as http://127.0.0.1:4318/v1/traces",
+                    tracing.endpoint
+                ),
+            );
+        }
+        if tracing.service_name.trim().is_empty() {
+            bad(
+                "tracing.service_name",
+                format!("{:?}: name the service, such as \"edgeinfer\"", tracing.service_name),
+            );
+        }
+        for (key, ms) in std::iter::once(("tracing.slow_ms".to_string(), tracing.slow_ms))
+            .chain(tracing.model_slow_ms.iter().map(|(m, ms)| (format!("tracing.model_slow_ms.{m}"), *ms)))
+        {
+            if !(1..=600_000).contains(&ms) {
+                bad(&key, format!("{ms}: use 1 to 600000 milliseconds"));
+            }
+        }
+        if !(64..=1_000_000).contains(&tracing.queue_spans) {
+            bad("tracing.queue_spans", format!("{}: use 64 to 1000000 spans", tracing.queue_spans));
+        }
+        if !(100..=60_000).contains(&tracing.timeout_ms) {
+            bad("tracing.timeout_ms", format!("{}: use 100 to 60000 milliseconds", tracing.timeout_ms));
+        }
         let feedback = &self.feedback;
         if !(1..=7 * 24 * 3600).contains(&feedback.window_s) {
             bad("feedback.window_s", format!("{}: use 1 to 604800 seconds (a week)", feedback.window_s));
@@ -1363,6 +1458,11 @@ mod tests {
             ("EDGEINFER_CACHE__REDIS__TIMEOUT_MS", "0", "cache.redis.timeout_ms"),
             ("EDGEINFER_CACHE__REDIS__KEY_PREFIX", "a*", "cache.redis.key_prefix"),
             ("EDGEINFER_CACHE__REDIS__TTL_S", "0", "cache.redis.ttl_s"),
+            ("EDGEINFER_TRACING__SAMPLE_RATIO", "1.5", "tracing.sample_ratio"),
+            ("EDGEINFER_TRACING__SLOW_MS", "0", "tracing.slow_ms"),
+            ("EDGEINFER_TRACING__QUEUE_SPANS", "8", "tracing.queue_spans"),
+            ("EDGEINFER_TRACING__TIMEOUT_MS", "5", "tracing.timeout_ms"),
+            ("EDGEINFER_TRACING__SERVICE_NAME", " ", "tracing.service_name"),
         ] {
             let err = Config::load_with_env(None, env(&[(key, value)])).unwrap_err().to_string();
             assert!(err.contains(names) && err.contains(value.trim_end_matches('*')), "{key}: {err}");
@@ -1377,6 +1477,15 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("cache.redis.url") && err.contains("redis://"), "{err}");
+        let err = Config::parse("[tracing]\nenabled = true\nendpoint = \"collector:4318\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tracing.endpoint") && err.contains("collector:4318") && err.contains("http://"),
+            "{err}"
+        );
+        let config = Config::parse("[tracing]\nmodel_slow_ms = { digits = 10 }\n").unwrap();
+        assert_eq!((config.tracing.model_slow_ms["digits"], config.tracing.sample_ratio), (10, 0.01));
         let err =
             Config::load_with_env(None, env(&[("EDGEINFER_CACHE__REDIS__URL", "redis://u:hunter2@h:6379")]))
                 .unwrap_err()

@@ -21,4 +21,5 @@ pub mod rollout;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+pub mod trace;
 pub mod transport;

@@ -37,6 +37,8 @@ pub enum NodeError {
     Threads(#[from] crate::engine::SpawnError),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Trace(#[from] crate::trace::TraceError),
     #[error("http.listen = {listen:?}: cannot listen there: {source}")]
     Http { listen: String, source: std::io::Error },
     #[error(transparent)]
@@ -134,6 +136,18 @@ impl Node {
                 tracing::info!("cloud tier: {} (escalating below each model's threshold)", config.cloud.url);
             }
             None => tracing::info!("cloud tier off (cloud.enabled = false): no request leaves this node"),
+        }
+        match crate::trace::Tracer::start(&config.tracing, &config.node.id)? {
+            Some(tracer) => {
+                engine = engine.with_tracer(tracer);
+                let c = &config.tracing;
+                tracing::info!(
+                    "traces: to {} ({} of new traces, and every error and request slower than its slow_ms)",
+                    c.endpoint,
+                    c.sample_ratio
+                );
+            }
+            None => tracing::debug!("traces off (tracing.enabled = false)"),
         }
         if let Some(options) = CaptureOptions::from_config(&config) {
             match Capture::start(options) {

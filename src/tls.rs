@@ -1,6 +1,7 @@
-//! rustls settings: the client side shared by the MQTT connection and the
-//! cloud tier (the system's roots or a PEM bundle), and the HTTP listener's
-//! server side; one crypto stack (ring).
+//! rustls settings: the client side shared by the MQTT connection, the
+//! cloud tier and the trace exporter (the system's roots or a PEM bundle),
+//! their pooled HTTP client, and the HTTP listener's server side; one
+//! crypto stack (ring).
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -102,4 +103,27 @@ fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'stat
         return Err(pem("no PEM certificate in it".into()));
     }
     Ok(certs)
+}
+
+/// A pooled HTTP/1 client for http and https URLs on `tls` (the cloud
+/// tier's, the trace exporter's): no Nagle delay, connections kept a minute.
+pub fn https_client(
+    tls: rustls::ClientConfig,
+    connect_timeout: std::time::Duration,
+) -> hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Full<bytes::Bytes>,
+> {
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(std::time::Duration::from_secs(60))
+        .build(https)
 }

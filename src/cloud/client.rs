@@ -27,18 +27,7 @@ impl Http {
         tls: rustls::ClientConfig,
         connect_timeout: Duration,
     ) -> Http {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let client = Client::builder(hyper_util::rt::TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(https);
+        let client = crate::tls::https_client(tls, connect_timeout);
         Http {
             base: base.trim_end_matches('/').to_string(),
             authorization: token.map(|t| format!("Bearer {}", t.0)),
@@ -50,8 +39,14 @@ impl Http {
         format!("{}/v2/models/{model}/infer", self.base)
     }
 
-    /// One attempt, without a timeout of its own (the caller's bounds it).
-    pub async fn infer(&self, model: &str, request: &InferRequest) -> Result<InferResponse, CloudError> {
+    /// One attempt, without a timeout of its own (the caller's bounds it);
+    /// `traceparent` continues the request's trace on the cloud tier.
+    pub async fn infer(
+        &self,
+        model: &str,
+        request: &InferRequest,
+        traceparent: Option<String>,
+    ) -> Result<InferResponse, CloudError> {
         let url = self.url(model);
         let body = serde_json::to_vec(request).map_err(|e| CloudError::Invalid(e.to_string()))?;
         let mut builder = hyper::Request::post(&url)
@@ -59,6 +54,9 @@ impl Http {
             .header(hyper::header::ACCEPT, "application/json");
         if let Some(auth) = &self.authorization {
             builder = builder.header(hyper::header::AUTHORIZATION, auth);
+        }
+        if let Some(traceparent) = traceparent {
+            builder = builder.header("traceparent", traceparent);
         }
         let request =
             builder.body(Full::new(Bytes::from(body))).map_err(|e| CloudError::Invalid(e.to_string()))?;

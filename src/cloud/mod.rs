@@ -202,10 +202,20 @@ impl Cloud {
         };
         let body = cloud_request(req, left);
         let started = Instant::now();
-        let result = match tokio::time::timeout(left, self.http.infer(cloud_model, &body)).await {
+        // A span of the request's trace, which the cloud tier continues.
+        let mut traced = crate::trace::outgoing("cloud.call");
+        let traceparent = traced.as_ref().map(crate::trace::Open::traceparent);
+        let result = match tokio::time::timeout(left, self.http.infer(cloud_model, &body, traceparent)).await
+        {
             Ok(r) => r,
             Err(_) => Err(CloudError::Timeout),
         };
+        if let Some(span) = &mut traced {
+            span.set(opentelemetry::KeyValue::new("edgeinfer.cloud.model", cloud_model.to_string()));
+            let outcome = result.as_ref().map(|_| "ok").unwrap_or_else(|e| e.outcome());
+            span.set(opentelemetry::KeyValue::new("edgeinfer.cloud.outcome", outcome));
+            span.error = result.as_ref().err().map(CloudError::to_string);
+        }
         metrics::histogram!(telemetry::CLOUD_LATENCY, "model" => edge_model.to_string())
             .record(started.elapsed().as_secs_f64());
         let failed = result.as_ref().err().is_some_and(CloudError::retryable);

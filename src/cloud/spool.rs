@@ -41,11 +41,14 @@ pub struct Settled {
     /// The request's first reply, which this final one must not overtake
     /// (none for entries from before a restart).
     pub after: Option<FirstReply>,
+    /// The follow-up's spans in its request's trace (none untraced, and
+    /// for entries from before a restart).
+    pub trace: Option<Arc<crate::trace::Active>>,
 }
 
 /// An entry, what its final reply waits for, and who waits to hear it is
 /// on disk.
-type Arrival = (SpoolEntry, FirstReply, tokio::sync::oneshot::Sender<bool>);
+type Arrival = (SpoolEntry, FirstReply, Option<String>, tokio::sync::oneshot::Sender<bool>);
 
 /// Final replies out for delivery at once; the spool asks the cloud for no
 /// more until the broker acknowledged some (this bounds every queue between
@@ -72,9 +75,10 @@ impl Spool {
     /// Queues an entry and waits until it is on disk, so a provisional reply
     /// is only sent for an escalation that survives a restart. False when
     /// the task is too far behind or could not store it.
-    pub async fn push(&self, entry: SpoolEntry, after: FirstReply) -> bool {
+    /// `traceparent`: the request's root span, where it is traced.
+    pub async fn push(&self, entry: SpoolEntry, after: FirstReply, traceparent: Option<String>) -> bool {
         let (done, stored) = tokio::sync::oneshot::channel();
-        if self.tx.try_send((entry, after, done)).is_err() {
+        if self.tx.try_send((entry, after, traceparent, done)).is_err() {
             return false;
         }
         stored.await.unwrap_or(false)
@@ -105,6 +109,9 @@ pub struct SpoolTask {
     /// Stored entries whose request's first reply may not have left yet
     /// (one per entry at most; in memory, like the requests).
     first_replies: HashMap<Vec<u8>, FirstReply>,
+    /// The traced entries' follow-up traces, their cloud calls' spans
+    /// recorded into them (in memory, like the first replies).
+    traces: HashMap<Vec<u8>, Arc<crate::trace::Active>>,
     /// Where `Delivery` handles report back: (key, delivered).
     delivered_tx: mpsc::UnboundedSender<(Vec<u8>, bool)>,
     delivered_rx: mpsc::UnboundedReceiver<(Vec<u8>, bool)>,
@@ -207,6 +214,7 @@ pub fn open(
         paused_until: None,
         undelivered: HashSet::new(),
         first_replies: HashMap::new(),
+        traces: HashMap::new(),
         delivered_tx,
         delivered_rx,
         settled,
@@ -272,7 +280,9 @@ impl SpoolTask {
                 match self.next(&cloud) {
                     Next::Call(key, stored) => {
                         let cloud = cloud.clone();
-                        call = Some(Box::pin(async move {
+                        // Its cloud calls are spans of the request's trace.
+                        let trace = self.traces.get(&key).cloned();
+                        call = Some(Box::pin(crate::trace::within(trace, async move {
                             let result = match serde_json::from_slice(&stored.entry.request) {
                                 Ok(request) => {
                                     let e = &stored.entry;
@@ -281,7 +291,7 @@ impl SpoolTask {
                                 Err(e) => Err(CloudError::Invalid(format!("the spooled request: {e}"))),
                             };
                             (key, stored, result)
-                        }));
+                        })));
                     }
                     Next::WaitUntil(at) => wake = Some(at),
                     Next::Idle => {}
@@ -506,10 +516,11 @@ impl SpoolTask {
     fn finish(&mut self, key: Vec<u8>, entry: SpoolEntry, cloud: Option<InferResponse>) {
         self.undelivered.insert(key.clone());
         let after = self.first_replies.remove(&key);
+        let trace = self.traces.remove(&key);
         let delivery = Delivery::new(key, self.delivered_tx.clone());
         // Full: the delivery handle drops unconfirmed, and the entry is sent
         // again after a pause.
-        let _ = self.settled.try_send(Settled { entry, cloud, delivery, after });
+        let _ = self.settled.try_send(Settled { entry, cloud, delivery, after, trace });
     }
 
     /// Drops the entries whose final reply the request journal holds as
@@ -562,8 +573,16 @@ impl SpoolTask {
     /// error reply) or that did not reach the disk is taken out again: it
     /// must not produce a second final reply.
     async fn store_all(&mut self, arrived: Vec<Arrival>) {
-        let stored: Vec<_> =
-            arrived.into_iter().map(|(e, after, done)| (self.store(e, Some(after)), done)).collect();
+        let mut stored = Vec::with_capacity(arrived.len());
+        for (entry, after, traceparent, done) in arrived {
+            let key = self.store(entry, Some(after));
+            if let (Some((key, _)), Some(trace)) =
+                (&key, traceparent.as_deref().and_then(crate::trace::follow))
+            {
+                self.traces.insert(key.to_vec(), trace);
+            }
+            stored.push((key, done));
+        }
         let flushed = self.db.flush_async().await.is_ok();
         let mut withdrawn = false;
         for (key, done) in stored {
@@ -595,13 +614,15 @@ impl SpoolTask {
             self.bytes = self.bytes.saturating_sub(old.len() as u64);
             self.backoff.remove(&key[..]);
             let after = self.first_replies.remove(&key[..]);
+            let trace = self.traces.remove(&key[..]);
             // One whose final reply is already on its way needs no other.
             if !self.undelivered.remove(&key[..])
                 && let Ok(old) = postcard::from_bytes::<Stored>(&old)
             {
                 metrics::counter!(telemetry::CLOUD_SPOOL_DROPPED, "reason" => GiveUp::Room.as_str())
                     .increment(1);
-                let ended = Settled { entry: old.entry, cloud: None, delivery: Delivery::untracked(), after };
+                let delivery = Delivery::untracked();
+                let ended = Settled { entry: old.entry, cloud: None, delivery, after, trace };
                 if self.settled.try_send(ended).is_err() {
                     tracing::warn!(
                         "cloud spool: full while the broker is away; an escalation pushed out for room gets \
@@ -631,6 +652,7 @@ impl SpoolTask {
 
     fn remove(&mut self, key: &[u8], len: usize) {
         self.first_replies.remove(key);
+        self.traces.remove(key);
         if let Ok(Some(_)) = self.tree.remove(key) {
             self.entries = self.entries.saturating_sub(1);
             self.bytes = self.bytes.saturating_sub(len as u64);
@@ -842,7 +864,7 @@ mod tests {
         let (gone, dropped) = tokio::sync::oneshot::channel::<bool>();
         drop(dropped);
         let after = || crate::protocol::first_reply().1;
-        task.store_all(vec![(entry(1), after(), waiting), (entry(2), after(), gone)]).await;
+        task.store_all(vec![(entry(1), after(), None, waiting), (entry(2), after(), None, gone)]).await;
         assert!(stored.await.unwrap(), "the waiting request hears it is on disk");
         assert_eq!(topics(&task), vec!["dev/1"], "the abandoned one would have been a second final");
         assert_eq!(task.entries, 1);

@@ -13,7 +13,7 @@ mod docs {
 /// Keys a reload does not apply: the services and the cache are built
 /// once at start. `NAME` stands for any model; a key covers the keys
 /// under it. `lifecycle::needing_restart` compares exactly these.
-pub const RESTART_KEYS: [&str; 10] = [
+pub const RESTART_KEYS: [&str; 11] = [
     "node.id",
     "node.state_dir",
     "mqtt",
@@ -24,6 +24,7 @@ pub const RESTART_KEYS: [&str; 10] = [
     "cloud",
     "runtime.io_threads",
     "feedback",
+    "tracing",
 ];
 
 /// Defaults that depend on the machine, written as words instead of the
@@ -76,8 +77,18 @@ fn collect(name: &str, prefix: &str, defaults: Option<&toml::Value>, keys: &mut 
     for (field, ty, doc) in fields {
         let key = if prefix.is_empty() { field.to_string() } else { format!("{prefix}.{field}") };
         let value = defaults.and_then(|d| d.get(field));
-        if let Some(inner) = map_of(ty) {
+        if let Some(inner) = map_of(ty).filter(|inner| is_struct(inner)) {
             collect(inner, &format!("{key}.NAME"), value.and_then(|v| v.get("NAME")), keys);
+        } else if let Some(inner) = map_of(ty) {
+            // A plain value per name (`tracing.model_slow_ms.digits = 10`).
+            let (key, kind) = (format!("{key}.NAME"), kind(inner));
+            keys.push(Key {
+                applied_on_reload: applied_on_reload(&key),
+                key,
+                kind,
+                default: "unset".into(),
+                doc,
+            });
         } else if is_struct(last_segment(ty)) {
             collect(last_segment(ty), &key, value, keys);
         } else {

@@ -18,9 +18,9 @@ use super::preprocess::Prepared;
 use crate::model::RawOutput;
 use crate::protocol::{InferError, TensorData};
 use crate::telemetry::{self, Stage};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -34,6 +34,29 @@ pub struct Queued {
     pub reply: OutputSender,
     /// When it joined the queue (for the `queue` stage metric).
     pub enqueued: Instant,
+    /// Where a traced request learns of the batch that ran it.
+    pub traced: Option<Traced>,
+}
+
+/// A traced request's part in its batch (`[tracing]`): its `inference`
+/// span, and where the batch's thread says how the batch ran.
+pub struct Traced {
+    pub trace_id: u128,
+    pub span: u64,
+    pub ran: Arc<OnceLock<Arc<BatchRun>>>,
+}
+
+/// How a batch ran, for the traces of the requests it carried. The first
+/// traced request's `inference` span is the batch's span: it links to
+/// each request the batch carried, and theirs link to it.
+#[derive(Debug)]
+pub struct BatchRun {
+    pub started: Instant,
+    pub ended: Instant,
+    pub rows: usize,
+    pub requests: usize,
+    /// Each traced request's (trace id, `inference` span id), in queue order.
+    pub spans: Vec<(u128, u64)>,
 }
 
 /// Requests run together; rows are packed in queue order.
@@ -270,6 +293,10 @@ pub fn run_batches(
         let started = Instant::now();
         rows_metric.record(batch.rows as f64);
         let waited: Vec<f64> = batch.entries.iter().map(|e| (started - e.enqueued).as_secs_f64()).collect();
+        let (batch_rows, requests) = (batch.rows, batch.entries.len());
+        let traced: Vec<_> = batch.entries.iter().filter_map(|e| e.traced.as_ref()).collect();
+        let spans: Vec<(u128, u64)> = traced.iter().map(|t| (t.trace_id, t.span)).collect();
+        let slots: Vec<_> = traced.iter().map(|t| t.ran.clone()).collect();
         // The stages are recorded before the replies go out, so a scrape
         // after a reply always counts its request.
         batch.execute(|rows, input| {
@@ -278,6 +305,13 @@ pub fn run_batches(
             for &queued in &waited {
                 telemetry::observe_stage(model, Stage::Queue, queued);
                 telemetry::observe_stage(model, Stage::Inference, run_seconds);
+            }
+            if !slots.is_empty() {
+                let ran =
+                    Arc::new(BatchRun { started, ended: Instant::now(), rows: batch_rows, requests, spans });
+                for slot in slots {
+                    let _ = slot.set(ran.clone());
+                }
             }
             outputs
         });
@@ -338,7 +372,16 @@ mod tests {
     fn entry(rows: usize, deadline: Option<Instant>) -> (Queued, Answer) {
         let (reply, rx) = oneshot::channel();
         let input = TensorData::F32(vec![0.0; rows * 2]);
-        (Queued { prepared: Prepared { rows, input }, deadline, reply, enqueued: Instant::now() }, rx)
+        (
+            Queued {
+                prepared: Prepared { rows, input },
+                deadline,
+                reply,
+                enqueued: Instant::now(),
+                traced: None,
+            },
+            rx,
+        )
     }
 
     fn policy(max_batch: usize, max_delay_ms: u64) -> BatchPolicy {
@@ -473,6 +516,7 @@ mod tests {
                     deadline: None,
                     reply,
                     enqueued: Instant::now(),
+                    traced: None,
                 });
                 rows_total += rows;
             }

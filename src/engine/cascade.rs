@@ -91,6 +91,15 @@ impl<'a> Cascade<'a> {
     }
 
     /// How the edge answer's confidence is measured for the threshold.
+    /// The tier the request asked for, as traces name it.
+    pub fn tier_name(&self) -> &'static str {
+        match self.tier {
+            Tier::Fast => "fast",
+            Tier::Standard => "standard",
+            Tier::Quality => "quality",
+        }
+    }
+
     pub fn measure(&self) -> Confidence {
         self.escalation.map(|(_, policy)| policy.confidence).unwrap_or_default()
     }
@@ -120,6 +129,7 @@ impl<'a> Cascade<'a> {
         let node = self.node;
         match (self.tier, self.escalation) {
             (Tier::Quality, Some((cloud_tier, policy))) => {
+                let _traced = cascade_span("quality");
                 count_escalation(model.name(), "quality");
                 let cloud_model = policy.cloud_model(model.name());
                 let cloud = cloud_tier.cloud.infer(model.name(), cloud_model, req, self.cloud_deadline);
@@ -133,6 +143,8 @@ impl<'a> Cascade<'a> {
                     edge.parameters.is_final = self.final_if_async();
                     return Ok(edge);
                 }
+                let async_asked = self.enrich == Some(Enrich::Async);
+                let _traced = cascade_span(if async_asked { "async" } else { "sync" });
                 if let (Some(Enrich::Async), Some(spool), Some(route)) =
                     (self.enrich, &cloud_tier.spool, self.follow_up)
                     && spool_escalation(spool, policy, model.name(), req, &edge, route).await
@@ -184,6 +196,14 @@ fn from_cloud(
     response.model_version = cloud.model_version;
     response.parameters.served_by = ServedBy::Cloud;
     Ok(response)
+}
+
+/// The cascade's span in the request's trace: the cloud calls nest under
+/// it; `escalation` is how the cloud tier was asked.
+fn cascade_span(escalation: &'static str) -> Option<crate::trace::Open> {
+    let mut span = crate::trace::open("cascade")?;
+    span.set(opentelemetry::KeyValue::new("edgeinfer.escalation", escalation));
+    Some(span)
 }
 
 fn count_escalation(model: &str, mode: &'static str) {
@@ -275,7 +295,9 @@ async fn spool_escalation(
         edge: serde_json::to_vec(edge).expect("JSON encoding of protocol types cannot fail"),
         route: follow_up.route.clone(),
     };
-    let queued = spool.push(entry, follow_up.after.clone()).await;
+    // The follow-up continues the request's trace under its root span.
+    let traceparent = crate::trace::current().map(|active| active.traceparent(active.root));
+    let queued = spool.push(entry, follow_up.after.clone(), traceparent).await;
     if queued {
         count_escalation(model, "async");
     }

@@ -2,6 +2,7 @@
 
 use crate::config::LimitsConfig;
 use crate::protocol::{Encoding, InferError, InferRequest, codec};
+use std::time::Instant;
 
 /// A payload read once: the request, or why it is not one, with the `id`
 /// and `reply_to` an error reply needs either way.
@@ -11,9 +12,12 @@ pub struct Decoded {
     /// Where an MQTT 3.1.1 request wants its reply.
     pub reply_to: Option<String>,
     pub request: Result<InferRequest, InferError>,
+    /// When decoding started and ended (the trace's `decode` span).
+    pub timed: (Instant, Instant),
 }
 
 pub fn decode(payload: &[u8], encoding: Encoding, limits: &LimitsConfig) -> Decoded {
+    let started = Instant::now();
     let request = if payload.len() > limits.max_payload_bytes {
         Err(InferError::too_large(format!(
             "the payload has {} bytes, more than limits.max_payload_bytes = {}; send fewer rows per request \
@@ -26,10 +30,18 @@ pub fn decode(payload: &[u8], encoding: Encoding, limits: &LimitsConfig) -> Deco
         codec::decode_request(payload, encoding)
     };
     match request {
-        Ok(req) => Decoded { id: req.id.clone(), reply_to: req.reply_to.clone(), request: Ok(req) },
+        Ok(req) => {
+            let timed = (started, Instant::now());
+            Decoded { id: req.id.clone(), reply_to: req.reply_to.clone(), request: Ok(req), timed }
+        }
         Err(e) => {
             let peek = peek(payload, encoding);
-            Decoded { id: peek.id, reply_to: peek.reply_to, request: Err(e) }
+            Decoded {
+                id: peek.id,
+                reply_to: peek.reply_to,
+                request: Err(e),
+                timed: (started, Instant::now()),
+            }
         }
     }
 }

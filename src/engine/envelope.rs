@@ -23,10 +23,21 @@ pub struct Envelope<'a> {
     /// MQTT; `X-Device-Id` or the peer's address over HTTP): a rollout
     /// splits devices by it, so one device keeps one version.
     pub device: Option<&'a str>,
+    /// The caller's W3C trace context (an MQTT 5 user property, HTTP
+    /// headers), continued where `[tracing]` is on.
+    pub trace: crate::trace::Caller<'a>,
 }
 
 impl<'a> Envelope<'a> {
     pub fn model(model: &'a str) -> Self {
-        Envelope { model, version: None, deadline: None, transport: "cli", follow_up: None, device: None }
+        Envelope {
+            model,
+            version: None,
+            deadline: None,
+            transport: "cli",
+            follow_up: None,
+            device: None,
+            trace: Default::default(),
+        }
     }
 }

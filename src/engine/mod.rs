@@ -39,6 +39,7 @@ use crate::model::{LoadedModel, Registry, RuntimeOptions};
 use crate::protocol::{Encoding, ErrorCode, FollowUp, InferError, InferRequest, InferResponse, codec};
 use crate::rollout::{Deployments, Rollout, RolloutError};
 use crate::telemetry::{self, Stage};
+use crate::trace;
 use cache::Lookup;
 use cascade::Cascade;
 use deadline::Deadline;
@@ -49,6 +50,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 /// One request in the in-flight gauge, for as long as it lives.
 struct InFlight(metrics::Gauge);
@@ -73,6 +75,9 @@ pub struct Reply {
     pub id: String,
     pub outcome: Result<(), ErrorCode>,
     pub payload: Vec<u8>,
+    /// The request's trace (`[tracing]` on): its root span ends, and the
+    /// trace is exported if kept, when the transport drops it.
+    pub trace: Option<trace::Finish>,
 }
 
 pub struct Engine {
@@ -98,6 +103,8 @@ pub struct Engine {
     /// How the config in service loads a model version (its batch sizes),
     /// for a version `models rollout` names before any reload found it.
     runtime_options: Mutex<RuntimeOptions>,
+    /// The traces of requests, when `tracing.enabled`.
+    tracer: Option<Arc<trace::Tracer>>,
 }
 
 impl Engine {
@@ -124,12 +131,19 @@ impl Engine {
             reload_outcome: Default::default(),
             config_sha256: Default::default(),
             runtime_options: Default::default(),
+            tracer: None,
         })
     }
 
     /// Escalates to the cloud tier from now on.
     pub fn with_cloud_tier(mut self, cloud_tier: CloudTier) -> Engine {
         self.cloud_tier = Some(cloud_tier);
+        self
+    }
+
+    /// Traces requests from now on.
+    pub fn with_tracer(mut self, tracer: Arc<trace::Tracer>) -> Engine {
+        self.tracer = Some(tracer);
         self
     }
 
@@ -330,7 +344,9 @@ impl Engine {
     pub fn decode(&self, payload: &[u8], encoding: Encoding) -> Decoded {
         let limits = &self.current().options.limits;
         std::panic::catch_unwind(|| decode::decode(payload, encoding, limits)).unwrap_or_else(|panic| {
-            Decoded { id: String::new(), reply_to: None, request: Err(request_panicked("", &*panic)) }
+            let now = Instant::now();
+            let request = Err(request_panicked("", &*panic));
+            Decoded { id: String::new(), reply_to: None, request, timed: (now, now) }
         })
     }
 
@@ -342,13 +358,28 @@ impl Engine {
         // Counted back down when dropped: also when a transport stops
         // waiting (an HTTP client that hung up cancels this future).
         let _in_flight = InFlight::enter(label);
+        let active = self.tracer.as_ref().map(|tracer| tracer.begin(envelope.trace));
         let result = match decoded.request {
             // A panic anywhere in the pipeline is this request's `internal`
             // reply, not a request acknowledged with no reply at all.
-            Ok(req) => AssertUnwindSafe(self.run(&generation, envelope, req))
-                .catch_unwind()
-                .await
-                .unwrap_or_else(|panic| Err(request_panicked(label, &*panic))),
+            Ok(req) => {
+                let run = async {
+                    AssertUnwindSafe(self.run(&generation, envelope, req))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|panic| Err(request_panicked(label, &*panic)))
+                };
+                // Log lines about a sampled request carry its trace id (a
+                // log span per request costs as much as the rest of its
+                // recording; an unsampled request's panic names it itself).
+                let logged = match &active {
+                    Some(active) if active.sampled => {
+                        tracing::info_span!("request", trace_id = %TraceId(active.trace_id))
+                    }
+                    _ => tracing::Span::none(),
+                };
+                trace::within(active.clone(), run).instrument(logged).await
+            }
             Err(e) => Err(e),
         };
         let outcome = result.as_ref().map(|_| ()).map_err(|e| e.code);
@@ -356,9 +387,41 @@ impl Engine {
         if let Ok(response) = &result {
             self.keep_for_feedback(&decoded.id, response);
         }
+        let trace = active.map(|active| {
+            active.add("decode", decoded.timed, Vec::new());
+            let ended = Ended { id: &decoded.id, result: &result, transport: envelope.transport };
+            self.end_trace(active, label, decoded.timed.0.min(start), ended)
+        });
         let payload = codec::encode_reply(&decoded.id, result, encoding);
         self.record(&generation, label, &version, envelope.transport, outcome, start.elapsed());
-        Reply { id: decoded.id, outcome, payload }
+        Reply { id: decoded.id, outcome, payload, trace }
+    }
+
+    /// The keep rule and the root span of a request's trace.
+    fn end_trace(
+        &self,
+        active: Arc<trace::Active>,
+        model: &str,
+        start: Instant,
+        ended: Ended<'_>,
+    ) -> trace::Finish {
+        let tracer = self.tracer.as_ref().expect("a trace is begun only by a tracer");
+        let failed = ended.result.is_err();
+        let keep = tracer.keeps(&active, failed, model, start.elapsed());
+        let mut root = trace::Root {
+            name: "infer",
+            kind: trace::Kind::Server,
+            start,
+            attributes: Vec::new(),
+            links: Vec::new(),
+            error: None,
+        };
+        // Attributes are built only for a trace that is exported.
+        if keep {
+            root.attributes = ended.attributes(model, &self.current().options.node_id);
+            root.error = ended.result.as_ref().err().map(|e| format!("{}: {}", e.code, e.message));
+        }
+        tracer.finish(active, root, keep)
     }
 
     /// An error reply to request `id` without running the pipeline (a
@@ -366,11 +429,16 @@ impl Engine {
     pub fn reject(&self, envelope: Envelope<'_>, id: String, encoding: Encoding, error: InferError) -> Reply {
         let start = Instant::now();
         let code = error.code;
-        let payload = codec::encode_reply(&id, Err(error), encoding);
         let generation = self.current();
         let label = generation.model_label(envelope.model);
+        let result = Err(error);
+        let trace = self.tracer.as_ref().map(|tracer| {
+            let ended = Ended { id: &id, result: &result, transport: envelope.transport };
+            self.end_trace(tracer.begin(envelope.trace), label, start, ended)
+        });
+        let payload = codec::encode_reply(&id, result, encoding);
         self.record(&generation, label, "", envelope.transport, Err(code), start.elapsed());
-        Reply { id, outcome: Err(code), payload }
+        Reply { id, outcome: Err(code), payload, trace }
     }
 
     /// One decoded request through the pipeline, unencoded.
@@ -395,22 +463,27 @@ impl Engine {
         }
         let deadline = Deadline::new(req.parameters.deadline_ms, envelope.deadline);
         let deployments = self.deployments();
+        let resolving = Instant::now();
         let route = resolve::resolve(generation, &envelope, &req, deployments.as_deref())?;
+        trace::span("resolve", resolving, Vec::new);
         let (arm, settings) = (&route.arm, &route.arm.settings);
         let model = arm.runner.model();
         // The config's default `top_k`, before the cache key is taken.
         let mut req = req;
         req.parameters.top_k = req.parameters.top_k.or(settings.top_k);
         let limits = &generation.options.limits;
+        let preparing = Instant::now();
         let prepared =
             preprocess::prepare(model, &req, limits, &settings.preprocess(model)).inspect_err(|_| {
                 if let (Some(trial), Some(rollout)) = (&route.trial, &self.rollout) {
                     trial::refused(&rollout.observer(), trial, arm, &req, limits);
                 }
             })?;
+        trace::span("preprocess", preparing, Vec::new);
         let options = &generation.options;
         let escalation = self.cloud_tier.as_ref().map(|tier| (tier, &settings.cascade));
         let cascade = Cascade::plan(escalation, &options.node_id, &req, &envelope, deadline.at());
+        trace::annotate(|| opentelemetry::KeyValue::new("edgeinfer.tier", cascade.tier_name()));
         let answered = deadline
             .bound(async {
                 let lookup = (cascade.cache_tier(), settings.cache_ttl, settings.version.as_str());
@@ -434,7 +507,11 @@ impl Engine {
                     });
                     let answer = match arm.runner.run(prepared, deadline.at()).await {
                         Ok(outputs) => {
-                            postprocess::edge_answer(model, &req, outputs, node, cascade.measure())
+                            let started = Instant::now();
+                            let answer =
+                                postprocess::edge_answer(model, &req, outputs, node, cascade.measure());
+                            trace::span("postprocess", started, Vec::new);
+                            answer
                         }
                         Err(e) => Err(e),
                     };
@@ -545,8 +622,11 @@ impl Engine {
     ) {
         let engine = Arc::downgrade(self);
         tokio::spawn(async move {
-            while let Some(Settled { entry, cloud, delivery, after }) = settled.recv().await {
+            while let Some(Settled { entry, cloud, delivery, after, trace }) = settled.recv().await {
                 let Some(engine) = engine.upgrade() else { return };
+                // Its root span ends once the transport has the follow-up.
+                let _traced =
+                    trace.and_then(|active| engine.follow_up_trace(active, &entry.model, cloud.is_none()));
                 let generation = engine.current();
                 // The version that gave the provisional answer (a canary's
                 // candidate, say), if it is still loaded; else the serving one.
@@ -591,6 +671,33 @@ impl Engine {
                 }
             }
         });
+    }
+
+    /// A follow-up's trace, when tracing is on: kept where its request was
+    /// head-sampled, or where the cloud never answered (`failed`).
+    fn follow_up_trace(
+        &self,
+        active: Arc<trace::Active>,
+        model: &str,
+        failed: bool,
+    ) -> Option<trace::Finish> {
+        use opentelemetry::KeyValue;
+        let tracer = self.tracer.as_ref()?;
+        let keep = active.sampled || failed;
+        let request = active.remote_parent().map(|span| (active.trace_id, span));
+        let root = trace::Root {
+            name: "follow_up",
+            kind: trace::Kind::Internal,
+            start: active.began(),
+            attributes: vec![
+                KeyValue::new("edgeinfer.model", model.to_string()),
+                KeyValue::new("edgeinfer.served_by", if failed { "edge" } else { "cloud" }),
+            ],
+            links: request.into_iter().collect(),
+            error: failed
+                .then(|| "the cloud tier gave no answer; the edge answer ends the request".to_string()),
+        };
+        Some(tracer.finish(active, root, keep))
     }
 
     /// Requests answered since start, by model.
@@ -676,11 +783,71 @@ impl Engine {
     }
 }
 
+/// A trace id as logs print it: 32 hex digits, as in `traceresponse`.
+struct TraceId(u128);
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// How a request ended, for its trace's root span.
+struct Ended<'a> {
+    id: &'a str,
+    result: &'a Result<InferResponse, InferError>,
+    transport: &'static str,
+}
+
+impl Ended<'_> {
+    /// What an operator filters a trace by.
+    fn attributes(&self, model: &str, node: &str) -> Vec<opentelemetry::KeyValue> {
+        use crate::protocol::{CacheStatus, ServedBy};
+        use opentelemetry::KeyValue;
+        let mut attributes = vec![
+            KeyValue::new("edgeinfer.model", model.to_string()),
+            KeyValue::new("edgeinfer.node", node.to_string()),
+            KeyValue::new("edgeinfer.transport", self.transport),
+            KeyValue::new("edgeinfer.request_id", self.id.to_string()),
+        ];
+        match self.result {
+            Ok(response) => {
+                let p = &response.parameters;
+                let served_by = if p.served_by == ServedBy::Cloud { "cloud" } else { "edge" };
+                let cache = match p.cache {
+                    CacheStatus::Miss => "miss",
+                    CacheStatus::Memory => "memory",
+                    CacheStatus::Disk => "disk",
+                    CacheStatus::Redis => "redis",
+                };
+                attributes.extend([
+                    KeyValue::new("edgeinfer.code", "ok"),
+                    KeyValue::new("edgeinfer.version", response.model_version.clone()),
+                    KeyValue::new("edgeinfer.served_by", served_by),
+                    KeyValue::new("edgeinfer.cache", cache),
+                ]);
+                if let Some(config) = &p.config_version {
+                    attributes.push(KeyValue::new("edgeinfer.config_version", config.clone()));
+                }
+            }
+            Err(e) => attributes.push(KeyValue::new("edgeinfer.code", e.code.as_str())),
+        }
+        attributes
+    }
+}
+
 /// The reply to a request whose handling panicked (a bug): logged, counted.
 fn request_panicked(model: &str, panic: &(dyn std::any::Any + Send)) -> InferError {
     let why = run::panic_message(panic);
     metrics::counter!(telemetry::REQUEST_PANICS, "model" => model.to_string()).increment(1);
-    tracing::error!("a request to {model:?} panicked ({why}); it is answered internal");
+    // A sampled request's log span names its trace already.
+    match trace::current().filter(|active| !active.sampled) {
+        Some(active) => tracing::error!(
+            trace_id = %TraceId(active.trace_id),
+            "a request to {model:?} panicked ({why}); it is answered internal"
+        ),
+        None => tracing::error!("a request to {model:?} panicked ({why}); it is answered internal"),
+    }
     InferError::internal(format!(
         "the node failed on this request ({why}); it was logged, other requests are served"
     ))

@@ -3,7 +3,7 @@
 //! `overloaded` instead of growing memory) and the inference threads that
 //! form batches from it and run them (see batch.rs).
 
-use super::batch::{BatchPolicy, Queued, run_batches};
+use super::batch::{BatchPolicy, BatchRun, Queued, Traced, run_batches};
 use super::preprocess::Prepared;
 use crate::model::{LoadedModel, RawOutput};
 use crate::protocol::InferError;
@@ -163,7 +163,16 @@ impl Runner {
         // Counted before the send: the inference thread may take it at once.
         let depth = metrics::gauge!(crate::telemetry::QUEUE_DEPTH, "model" => self.model.name().to_string());
         depth.increment(1.0);
-        let sent = self.queue.try_send(Queued { prepared, deadline, reply, enqueued: Instant::now() });
+        // A traced request learns how its batch ran, for its spans.
+        let active = crate::trace::current();
+        let traced = active.as_ref().map(|active| Traced {
+            trace_id: active.trace_id,
+            span: crate::trace::new_span_id(),
+            ran: Default::default(),
+        });
+        let ran = traced.as_ref().map(|t| (t.span, t.ran.clone()));
+        let enqueued = Instant::now();
+        let sent = self.queue.try_send(Queued { prepared, deadline, reply, enqueued, traced });
         if sent.is_err() {
             depth.decrement(1.0);
         }
@@ -179,10 +188,45 @@ impl Runner {
                 return Err(InferError::internal(format!("model {} has stopped", self.model.name())));
             }
         }
-        answer.await.unwrap_or_else(|_| {
+        let outputs = answer.await.unwrap_or_else(|_| {
             Err(InferError::internal(format!("model {} dropped a request", self.model.name())))
-        })
+        });
+        if let (Some(active), Some((span, ran))) = (active, ran)
+            && let Some(ran) = ran.get()
+        {
+            record_batch(&active, enqueued, span, ran);
+        }
+        outputs
     }
+}
+
+/// A traced request's `queue` and `inference` spans: the wait for its
+/// batch, and the batch's run, linked to the other requests it carried.
+fn record_batch(active: &crate::trace::Active, enqueued: Instant, span: u64, ran: &BatchRun) {
+    use opentelemetry::KeyValue;
+    active.add("queue", (enqueued, ran.started), Vec::new());
+    let this = (active.trace_id, span);
+    // The first traced request's span is the batch's: it links to every
+    // other request; the others link to it.
+    let links = if ran.spans.first() == Some(&this) {
+        ran.spans[1..].to_vec()
+    } else {
+        ran.spans.first().copied().into_iter().collect()
+    };
+    active.push(crate::trace::Span {
+        id: span,
+        parent: active.parent(),
+        name: "inference",
+        kind: crate::trace::Kind::Internal,
+        start: ran.started,
+        end: ran.ended,
+        attributes: vec![
+            KeyValue::new("edgeinfer.batch.requests", ran.requests as i64),
+            KeyValue::new("edgeinfer.batch.rows", ran.rows as i64),
+        ],
+        links,
+        error: None,
+    });
 }
 
 pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

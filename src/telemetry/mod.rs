@@ -227,6 +227,11 @@ pub fn install() -> Option<PrometheusHandle> {
     );
     metrics::describe_counter!(REQUEST_PANICS, "Panics while handling a request; it was answered internal");
     metrics::describe_counter!(
+        crate::trace::SPANS_DROPPED,
+        "Trace spans not exported, by reason: queue_full (the exporter is behind) or export_failed"
+    );
+    metrics::describe_counter!(crate::trace::SPANS_EXPORTED, "Trace spans the OTLP collector took");
+    metrics::describe_counter!(
         INFERENCE_PANICS,
         "Panics in an inference thread; its batch was answered internal and the thread went on"
     );

@@ -97,6 +97,11 @@ fn the_readmes_site_config_is_valid_and_the_example_config_too() {
     let block = &readme[start..start + readme[start..].find("```").unwrap()];
     let config = edgeinfer::config::Config::parse(block).unwrap_or_else(|e| panic!("README's config: {e}"));
     assert_eq!((config.node.id.as_str(), config.mqtt.url.as_str()), ("gw-01", "mqtts://broker.site:8883"));
+    // Every other config the README shows (the traces section's) is valid too.
+    for block in readme.split("```toml\n").skip(2) {
+        let block = &block[..block.find("```").unwrap()];
+        edgeinfer::config::Config::parse(block).unwrap_or_else(|e| panic!("README's config {block}: {e}"));
+    }
     let shipped = std::fs::read_to_string(root().join("systemd/edgeinfer.toml")).unwrap();
     edgeinfer::config::Config::parse(&shipped).unwrap_or_else(|e| panic!("systemd/edgeinfer.toml: {e}"));
 }

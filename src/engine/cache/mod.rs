@@ -25,7 +25,12 @@ use memory::{Entry, Flight, Found, Memory};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// A cache layer's span in the request's trace, with what it found.
+fn layer_span(name: &'static str, asked: Instant, result: &'static str) {
+    crate::trace::span(name, asked, || vec![opentelemetry::KeyValue::new("edgeinfer.cache.result", result)]);
+}
 
 #[derive(Debug, Clone)]
 pub struct CacheOptions {
@@ -202,8 +207,11 @@ impl Cache {
             Some(tier) => key.for_tier(tier),
             None => key,
         };
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        // The layers' spans nest under the lookup's.
+        let traced = crate::trace::open("cache.lookup");
         let found = self.lookup(model.name(), key, ttl).await;
+        drop(traced);
         telemetry::observe_stage(
             model.name(),
             telemetry::Stage::CacheLookup,
@@ -215,22 +223,49 @@ impl Cache {
     /// Memory, then disk, by key; on a miss, the ticket to compute the answer.
     pub async fn lookup(&self, model: &str, key: Key, ttl: Duration) -> Lookup<'_> {
         let now = telemetry::unix_now_ms();
+        let asked = Instant::now();
         let found = self.memory.find(&key, now).await;
+        let result = match found {
+            Found::Hit(_) => "hit",
+            Found::Joined(_) => "coalesced",
+            Found::Lead(_) => "miss",
+        };
+        layer_span("cache.memory", asked, result);
         let flight = match found {
             Found::Hit(entry) => return from_memory(model, &entry, "memory"),
             Found::Joined(entry) => return from_memory(model, &entry, "coalesced"),
             Found::Lead(flight) => flight,
         };
-        if let Some(disk) = &self.disk
-            && let disk::Read::Hit { body, expires_at_ms } = disk.get(model, &key, now).await
+        let disk_read = match &self.disk {
+            Some(disk) => {
+                let asked = Instant::now();
+                let read = disk.get(model, &key, now).await;
+                layer_span(
+                    "cache.disk",
+                    asked,
+                    if matches!(read, disk::Read::Hit { .. }) { "hit" } else { "miss" },
+                );
+                Some(read)
+            }
+            None => None,
+        };
+        if let Some(disk::Read::Hit { body, expires_at_ms }) = disk_read
             && let Ok(wire) = postcard::from_bytes::<WireResponse>(&body)
         {
             flight.fill(Arc::new(Entry { model: model.into(), body: body.into(), expires_at_ms }));
             self.publish_memory();
             return answer(model, wire, CacheStatus::Disk, "disk");
         }
-        if let Some(redis) = &self.redis
-            && let Some(shared) = redis.get(model, &key).await
+        let shared = match &self.redis {
+            Some(redis) => {
+                let asked = Instant::now();
+                let shared = redis.get(model, &key).await;
+                layer_span("cache.redis", asked, if shared.is_some() { "hit" } else { "miss" });
+                shared
+            }
+            None => None,
+        };
+        if let Some(shared) = shared
             && shared.expires_at_ms > now
             && let Ok(wire) = postcard::from_bytes::<WireResponse>(&shared.body)
         {

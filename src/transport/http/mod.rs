@@ -312,7 +312,9 @@ async fn handle(
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
     let encoding = Encoding::from_content_type(content_type);
     let limit = state.engine.max_payload_bytes();
-    let envelope = Envelope { version, transport: "http", ..Envelope::model(model) };
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let trace = crate::trace::Caller { traceparent: header("traceparent"), tracestate: header("tracestate") };
+    let envelope = Envelope { version, transport: "http", trace, ..Envelope::model(model) };
     let device = match device_of(headers, peer.ip()) {
         Ok(device) => device,
         Err(e) => {
@@ -385,5 +387,13 @@ fn reply_response(reply: crate::engine::Reply, status: Option<StatusCode>, encod
         Ok(()) => StatusCode::OK,
         Err(code) => StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
     });
-    (status, [(header::CONTENT_TYPE, encoding.content_type())], reply.payload).into_response()
+    let mut response =
+        (status, [(header::CONTENT_TYPE, encoding.content_type())], reply.payload).into_response();
+    // The device can log the trace its request joined.
+    if let Some(trace) = &reply.trace
+        && let Ok(value) = header::HeaderValue::from_str(&trace.traceresponse())
+    {
+        response.headers_mut().insert("traceresponse", value);
+    }
+    response
 }

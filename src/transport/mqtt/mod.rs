@@ -837,6 +837,13 @@ impl Admission {
     }
 }
 
+/// The W3C trace context of an MQTT 5 request (user properties
+/// `traceparent`, `tracestate`).
+fn trace_context(properties: &[(String, String)]) -> crate::trace::Caller<'_> {
+    let find = |name: &str| properties.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    crate::trace::Caller { traceparent: find("traceparent"), tracestate: find("tracestate") }
+}
+
 struct RequestTask {
     engine: Arc<Engine>,
     topics: Topics,
@@ -892,7 +899,8 @@ impl RequestTask {
         };
         // A device is its reply topic: each has its own, and keeps it.
         let device = Some(destination.as_str());
-        let envelope = Envelope { transport: "mqtt", device, ..Envelope::model(model.unwrap_or("")) };
+        let trace = trace_context(&props.user_properties);
+        let envelope = Envelope { transport: "mqtt", device, trace, ..Envelope::model(model.unwrap_or("")) };
         let mut first_reply_pending = None;
         let reply = match (decoded, refusal) {
             (Ok(decoded), _) => {
@@ -919,9 +927,16 @@ impl RequestTask {
         if let Err(code) = reply.outcome {
             tracing::debug!(id = %reply.id, "request on {topic} answered {code}");
         }
+        let publishing = std::time::Instant::now();
+        // The device can log the trace its request joined.
+        let user_properties = match &reply.trace {
+            Some(trace) => vec![("traceresponse".to_string(), trace.traceresponse())],
+            None => Vec::new(),
+        };
         let reply_props = PublishProperties {
             correlation_data: props.correlation_data.clone(),
             content_type: props.content_type.clone(),
+            user_properties,
             ..Default::default()
         };
         let mut publish = Publish::new(destination, self.reply_qos, reply.payload, Some(reply_props));
@@ -938,6 +953,9 @@ impl RequestTask {
         // A follow-up to this request goes out only once the session has this
         // reply: the outbox releases the guard then.
         ack.send_reply(Reply { publish, id: reply.id }, first_reply_pending);
+        if let Some(trace) = &reply.trace {
+            trace.span("reply.publish", publishing);
+        }
         // Let go with the reply: what waits for the journal's sync is
         // bounded by the broker's window, not by `mqtt.max_in_flight`.
         drop(admitted);

@@ -37,7 +37,7 @@ pub(super) fn cloud_node(http_port: Option<u16>) -> (Node, u16) {
     (node, port)
 }
 
-fn wait_http(port: u16) {
+pub(super) fn wait_http(port: u16) {
     let start = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(start.elapsed() < Duration::from_secs(10), "no HTTP on {port}");

@@ -26,6 +26,7 @@ mod session;
 mod share_failover;
 mod site_rollout;
 pub mod support;
+mod traces;
 #[cfg(feature = "failpoints")]
 mod watchdog;
 
