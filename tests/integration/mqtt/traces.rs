@@ -60,7 +60,9 @@ impl Receiver {
     /// Every span received so far; an export it could not decode fails the test.
     pub fn spans(&self) -> Vec<Value> {
         let text = std::fs::read_to_string(&self.out).unwrap_or_default();
-        let spans: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        // The receiver may be writing a line now: only whole lines count.
+        let whole = &text[..text.rfind('\n').map_or(0, |end| end + 1)];
+        let spans: Vec<Value> = whole.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         if let Some(bad) = spans.iter().find(|s| s.get("error").is_some()) {
             panic!("the receiver could not decode an export: {bad}");
         }
@@ -376,11 +378,12 @@ async fn load(client: &mut Client, prefix: &str, n: usize, in_flight: usize) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_or_dead_collector_costs_dropped_spans_and_never_a_reply() {
-    // Each export is answered 3 s late, past the node's 500 ms timeout.
+    // Each export is answered 3 s late, past the node's 2 s timeout: a reply
+    // that waited on an export would take 2 s or more.
     let Some(mut receiver) = Receiver::start(3.0) else { return };
     let mut env = traced(&receiver, "1", "");
     env.retain(|(k, _)| *k != "EDGEINFER_TRACING__HEADERS_FILE");
-    env.extend([("EDGEINFER_TRACING__TIMEOUT_MS", "500"), ("EDGEINFER_TRACING__QUEUE_SPANS", "64")]);
+    env.extend([("EDGEINFER_TRACING__TIMEOUT_MS", "2000"), ("EDGEINFER_TRACING__QUEUE_SPANS", "64")]);
     let (_edge, port, http_port) = tokio::task::block_in_place(|| embedded_node_with_http("edge", &env));
     let mut client = Client::connect(port, "dev-t", &["dev/t/replies"]).await;
     let dropped = |reason: &str| {
@@ -396,10 +399,10 @@ async fn a_slow_or_dead_collector_costs_dropped_spans_and_never_a_reply() {
     // Every request is sampled and the collector is slow: the queue fills.
     let slow = load(&mut client, "slow", 300, 8).await;
     let worst = slow.iter().max().unwrap();
-    assert!(*worst < Duration::from_secs(1), "a reply waited {worst:?} behind a 3 s collector");
+    assert!(*worst < Duration::from_millis(1500), "a reply waited {worst:?} behind a 3 s collector");
     let full = tokio::task::block_in_place(|| dropped("queue_full"));
     assert!(full > 0.0, "spans dropped with the queue full: {full}");
-    // The first export (after the 500 ms batch window) times out 500 ms later.
+    // The first export (after the 500 ms batch window) times out 2 s later.
     let started = Instant::now();
     while tokio::task::block_in_place(|| dropped("export_failed")) == 0.0 {
         assert!(started.elapsed() < Duration::from_secs(10), "no spans of a timed-out export dropped");
@@ -412,7 +415,7 @@ async fn a_slow_or_dead_collector_costs_dropped_spans_and_never_a_reply() {
     let before = tokio::task::block_in_place(|| dropped("queue_full") + dropped("export_failed"));
     let down = load(&mut client, "down", 300, 8).await;
     let worst = down.iter().max().unwrap();
-    assert!(*worst < Duration::from_secs(1), "a reply waited {worst:?} with the collector down");
+    assert!(*worst < Duration::from_millis(1500), "a reply waited {worst:?} with the collector down");
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = tokio::task::block_in_place(|| dropped("queue_full") + dropped("export_failed"));
     assert!(after >= before + 300.0, "each of 300 traces dropped spans: {before} then {after}");
