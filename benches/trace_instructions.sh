@@ -7,6 +7,9 @@
 # (exporting to tests/otlp/receiver.py), one after the other.
 #
 #   benches/trace_instructions.sh [BINARY]   (default target/release/edgeinfer)
+#   IN_FLIGHT=N: N connections x 8 in flight instead of one request at a
+#   time, so the node's work per second (timers, the exporter's posts) is
+#   shared by more requests
 #   OTLP_PYTHON: a Python with opentelemetry-proto (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +32,8 @@ for ratio in off 0.01 1; do
   for _ in $(seq 600); do grep -q "ready" "$work/node-$ratio.log" && break; sleep 0.5; done
   "$bin" bench --url "$url" --node cg --connections 1 -C 1 --duration 5 --json >/dev/null
   callgrind_control -z $node >/dev/null
-  "$bin" bench --url "$url" --node cg --connections 1 -C 1 --duration 20 --json >"$work/run.json"
+  if [ -n "${IN_FLIGHT:-}" ]; then load=(--connections "$IN_FLIGHT" -C 8); else load=(--connections 1 -C 1); fi
+  "$bin" bench --url "$url" --node cg "${load[@]}" --duration 20 --json >"$work/run.json"
   callgrind_control -d $node >/dev/null
   kill -TERM $node && wait $node || true
   [ -z "${KEEP:-}" ] || cp "$work"/cg-"$ratio".out.* "$KEEP"/
