@@ -387,41 +387,15 @@ impl Engine {
         if let Ok(response) = &result {
             self.keep_for_feedback(&decoded.id, response);
         }
-        let trace = active.map(|active| {
+        let trace = self.tracer.as_ref().zip(active).map(|(tracer, active)| {
             active.add("decode", decoded.timed, Vec::new());
             let ended = Ended { id: &decoded.id, result: &result, transport: envelope.transport };
-            self.end_trace(active, label, decoded.timed.0.min(start), ended)
+            let node = &generation.options.node_id;
+            end_trace(tracer, active, (label, node), decoded.timed.0.min(start), ended)
         });
         let payload = codec::encode_reply(&decoded.id, result, encoding);
         self.record(&generation, label, &version, envelope.transport, outcome, start.elapsed());
         Reply { id: decoded.id, outcome, payload, trace }
-    }
-
-    /// The keep rule and the root span of a request's trace.
-    fn end_trace(
-        &self,
-        active: Arc<trace::Active>,
-        model: &str,
-        start: Instant,
-        ended: Ended<'_>,
-    ) -> trace::Finish {
-        let tracer = self.tracer.as_ref().expect("a trace is begun only by a tracer");
-        let failed = ended.result.is_err();
-        let keep = tracer.keeps(&active, failed, model, start.elapsed());
-        let mut root = trace::Root {
-            name: "infer",
-            kind: trace::Kind::Server,
-            start,
-            attributes: Vec::new(),
-            links: Vec::new(),
-            error: None,
-        };
-        // Attributes are built only for a trace that is exported.
-        if keep {
-            root.attributes = ended.attributes(model, &self.current().options.node_id);
-            root.error = ended.result.as_ref().err().map(|e| format!("{}: {}", e.code, e.message));
-        }
-        tracer.finish(active, root, keep)
     }
 
     /// An error reply to request `id` without running the pipeline (a
@@ -434,7 +408,8 @@ impl Engine {
         let result = Err(error);
         let trace = self.tracer.as_ref().map(|tracer| {
             let ended = Ended { id: &id, result: &result, transport: envelope.transport };
-            self.end_trace(tracer.begin(envelope.trace), label, start, ended)
+            let node = &generation.options.node_id;
+            end_trace(tracer, tracer.begin(envelope.trace), (label, node), start, ended)
         });
         let payload = codec::encode_reply(&id, result, encoding);
         self.record(&generation, label, "", envelope.transport, Err(code), start.elapsed());
@@ -790,6 +765,33 @@ impl std::fmt::Display for TraceId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:032x}", self.0)
     }
+}
+
+/// The keep rule and the root span of a request's trace on this node
+/// (`model`, `node`).
+fn end_trace(
+    tracer: &Arc<trace::Tracer>,
+    active: Arc<trace::Active>,
+    (model, node): (&str, &str),
+    start: Instant,
+    ended: Ended<'_>,
+) -> trace::Finish {
+    let failed = ended.result.is_err();
+    let keep = tracer.keeps(&active, failed, model, start.elapsed());
+    let mut root = trace::Root {
+        name: "infer",
+        kind: trace::Kind::Server,
+        start,
+        attributes: Vec::new(),
+        links: Vec::new(),
+        error: None,
+    };
+    // Attributes are built only for a trace that is exported.
+    if keep {
+        root.attributes = ended.attributes(model, node);
+        root.error = ended.result.as_ref().err().map(|e| format!("{}: {}", e.code, e.message));
+    }
+    tracer.finish(active, root, keep)
 }
 
 /// How a request ended, for its trace's root span.

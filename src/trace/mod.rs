@@ -145,10 +145,6 @@ impl Finish {
     pub fn span(&self, name: &'static str, start: Instant) {
         self.active.record(name, start, Vec::new());
     }
-
-    pub fn kept(&self) -> bool {
-        self.keep
-    }
 }
 
 impl Drop for Finish {

@@ -236,8 +236,7 @@ impl Drop for Open {
         // Spans of a stage running beside this one may have nested under it
         // meanwhile; the parent goes back to where it was when it opened.
         state.parent = self.outer;
-        drop(state);
-        self.active.push(span);
+        state.keep(span);
     }
 }
 
