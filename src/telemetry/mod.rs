@@ -228,7 +228,7 @@ pub fn install() -> Option<PrometheusHandle> {
     metrics::describe_counter!(REQUEST_PANICS, "Panics while handling a request; it was answered internal");
     metrics::describe_counter!(
         crate::trace::SPANS_DROPPED,
-        "Trace spans not exported, by reason: queue_full (the exporter is behind) or export_failed"
+        "Trace spans not exported, by reason: queue_full (the exporter is behind), export_failed or span_limit"
     );
     metrics::describe_counter!(crate::trace::SPANS_EXPORTED, "Trace spans the OTLP collector took");
     metrics::describe_counter!(

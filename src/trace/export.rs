@@ -53,7 +53,7 @@ impl Queue {
     /// the queue holds `tracing.queue_spans` already.
     pub fn send(&self, trace: Recorded) {
         let spans = trace.spans.len();
-        dropped("queue_full", trace.dropped as usize);
+        dropped("span_limit", trace.dropped as usize);
         let before = self.queued.fetch_add(spans, Ordering::Relaxed);
         if before + spans > self.capacity {
             self.queued.fetch_sub(spans, Ordering::Relaxed);
@@ -276,6 +276,14 @@ mod tests {
         assert_eq!(rx.try_recv().unwrap().spans.len(), 3);
         assert_eq!(rx.try_recv().unwrap().spans.len(), 1, "the second trace did not fit");
         assert!(rx.try_recv().is_err());
+        // A request keeps at most MAX_SPANS spans; the rest are counted
+        // (as `span_limit` when its trace is sent).
+        let long = Active::new(7, None, None, true);
+        for _ in 0..crate::trace::record::MAX_SPANS + 2 {
+            long.record("stage", Instant::now(), Vec::new());
+        }
+        let long = long.take();
+        assert_eq!((long.spans.len(), long.dropped), (crate::trace::record::MAX_SPANS, 2));
     }
 
     #[test]

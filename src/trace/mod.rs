@@ -20,8 +20,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Spans not exported, by `reason`: `queue_full` (the exporter is behind)
-/// or `export_failed` (the collector is down, slow or refused them).
+/// Spans not exported, by `reason`: `queue_full` (the exporter is behind),
+/// `export_failed` (the collector is down, slow or refused them) or
+/// `span_limit` (a kept trace's spans past 64 on one request).
 pub const SPANS_DROPPED: &str = "edgeinfer_trace_spans_dropped_total";
 /// Spans the collector took.
 pub const SPANS_EXPORTED: &str = "edgeinfer_trace_spans_exported_total";
